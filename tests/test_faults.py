@@ -273,7 +273,7 @@ def _many_matrices(rank, world_size, sizes, steps):
         params, grads = make_case_tensors(specs, steps, seed=n)
         named = [(name, torch.nn.Parameter(shard(params[name]))) for name, _, _ in specs]
         opt = Muon(build_groups(named), chunk_size=64, **OPT_KW)
-        counts = []
+        counts = [(num_cached_groups(), _count_groups())]  # after construction: nothing more may come
         for s in range(steps):
             for name, p in named:
                 if p.grad is None:
@@ -297,7 +297,8 @@ def test_two_thousand_small_matrices_with_a_fixed_number_of_process_groups():
             _assert_close(local, {k: _block(v, coord) for k, v in want.items()}, f"{n} matrices")
     for out in results:
         counts = [c for n in sizes for c in out[n][0]]
-        # One cached 4-rank shard group for (Shard(0), Shard(1)), created at the first step;
-        # none per parameter or per step (and no other process groups either).
-        assert counts[0][0] == 1
+        # The (Shard(0), Shard(1)) shard group spans both mesh dims, i.e. the whole world:
+        # WORLD serves, no group is created; none per parameter or per step (and no other
+        # process groups either).
+        assert counts[0][0] == 0
         assert len(set(counts)) == 1, counts

@@ -17,6 +17,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from optimizer.newton_schulz import zeropower_via_newtonschulz
 from optimizer.owners import (
     assign_owners,
+    assign_owners_among,
+    chunked_critical_path,
     assign_units,
     chunk_order,
     load_imbalance,
@@ -248,14 +250,35 @@ def test_no_split_when_it_does_not_help():
 # --- pipeline chunks ---------------------------------------------------------------
 
 
-def _rank_within_owner(i, costs, owners):
-    # How many items of i's owner come before i: larger cost, or equal cost and lower
-    # index.  Counted directly, with no sort, so it is independent of chunk_order.
-    return sum(
-        1
-        for j in range(len(costs))
-        if owners[j] == owners[i] and (costs[j] > costs[i] or (costs[j] == costs[i] and j < i))
-    )
+def _reference_chunks(costs, owners, chunk_size):
+    """The documented rule, written out plainly: each owner's items end to end, largest
+    first (ties: lower index), on one axis as long as the busiest owner's total; C windows
+    (C = ceil(items / chunk_size), at most total / largest item, at least 1); an item goes
+    to the window holding its midpoint; empty windows are dropped; inside a window, items
+    by owner, then in the owner's order."""
+    if not costs:
+        return []
+    owner_ids = sorted(set(owners))
+    lists = {o: [] for o in owner_ids}
+    for i in range(len(costs)):
+        lists[owners[i]].append(i)
+    for o in owner_ids:
+        lists[o].sort(key=lambda i: (-costs[i], i))
+    total = max(sum(costs[i] for i in lists[o]) for o in owner_ids)
+    c = math.ceil(len(costs) / chunk_size)
+    if max(costs) > 0:
+        c = max(1, min(c, int(total // max(costs))))
+    windows = [[] for _ in range(c)]
+    for o in owner_ids:
+        start = 0
+        for pos, i in enumerate(lists[o]):
+            if total > 0:
+                k = min(c - 1, math.floor((start + costs[i] / 2) * c / total))
+            else:
+                k = min(c - 1, pos * c // len(lists[o]))
+            windows[k].append(i)
+            start += costs[i]
+    return [w for w in windows if w]
 
 
 def _random_chunk_instance(rng, equal_counts=False):
@@ -271,87 +294,71 @@ def _random_chunk_instance(rng, equal_counts=False):
     return costs, owners, num_ranks
 
 
-def test_chunks_are_the_round_robin_of_each_owners_items_largest_first():
-    # Independent characterisation: concatenated, the chunks list every item once, in
-    # order of (position among its owner's items by cost, owner), cut every chunk_size.
+def test_chunks_follow_the_cumulative_load_rule():
     rng = random.Random(1)
-    for _ in range(300):
+    for _ in range(400):
         costs, owners, num_ranks = _random_chunk_instance(rng)
         chunk_size = rng.randint(1, 7)
-        chunks = chunk_order(costs, owners, num_ranks, chunk_size)
-        key = {i: (_rank_within_owner(i, costs, owners), owners[i]) for i in range(len(costs))}
-        expected = sorted(range(len(costs)), key=key.__getitem__)
-        assert [i for c in chunks for i in c] == expected, (costs, owners, num_ranks, chunk_size)
+        got = chunk_order(costs, owners, num_ranks, chunk_size)
+        assert got == _reference_chunks(costs, owners, chunk_size), (costs, owners, chunk_size)
 
 
-def test_every_index_exactly_once_and_chunk_sizes():
+def test_every_index_exactly_once_and_no_empty_chunk():
     rng = random.Random(2)
     for _ in range(300):
         costs, owners, num_ranks = _random_chunk_instance(rng)
         chunk_size = rng.randint(1, 7)
         chunks = chunk_order(costs, owners, num_ranks, chunk_size)
         assert sorted(i for c in chunks for i in c) == list(range(len(costs)))
-        # Full chunks, except a shorter non-empty last one; none at all for no items.
-        assert len(chunks) == math.ceil(len(costs) / chunk_size)
-        assert all(len(c) == chunk_size for c in chunks[:-1])
-        if chunks:
-            assert 1 <= len(chunks[-1]) <= chunk_size
+        assert all(chunks) and len(chunks) <= max(1, math.ceil(len(costs) / chunk_size)) * bool(costs)
+        # each owner's items keep their order (largest first) across chunks
+        for r in range(num_ranks):
+            seq = [i for c in chunks for i in c if owners[i] == r]
+            assert seq == sorted(seq, key=lambda i: (-costs[i], i))
 
 
-def test_equal_counts_give_each_owner_an_equal_share_of_every_chunk():
-    # When every owner holds the same number of items and chunk_size is a multiple of
-    # num_ranks, each full chunk has exactly chunk_size / num_ranks items per owner.
-    rng = random.Random(3)
-    for _ in range(200):
-        costs, owners, num_ranks = _random_chunk_instance(rng, equal_counts=True)
-        chunk_size = num_ranks * rng.randint(1, 3)
-        for chunk in chunk_order(costs, owners, num_ranks, chunk_size):
-            counts = [sum(1 for i in chunk if owners[i] == r) for r in range(num_ranks)]
-            if len(chunk) == chunk_size:
-                assert counts == [chunk_size // num_ranks] * num_ranks, (chunk, owners)
-            assert max(counts) <= math.ceil(chunk_size / num_ranks)
-
-
-def test_per_owner_bound_holds_while_every_owner_still_has_items():
-    # With uneven counts the round-robin rounds shrink once an owner runs out, so the
-    # bound ceil(chunk_size / num_ranks) is only promised for chunks that lie within the
-    # first num_ranks * (fewest items of any owner) positions.
-    rng = random.Random(4)
-    checked = 0
-    for _ in range(300):
-        costs, owners, num_ranks = _random_chunk_instance(rng)
-        fewest = min(sum(1 for o in owners if o == r) for r in range(num_ranks))
-        chunk_size = rng.randint(1, 7)
-        for k, chunk in enumerate(chunk_order(costs, owners, num_ranks, chunk_size)):
-            if (k + 1) * chunk_size > num_ranks * fewest:
-                break
-            counts = [sum(1 for i in chunk if owners[i] == r) for r in range(num_ranks)]
-            assert max(counts) <= math.ceil(chunk_size / num_ranks), (costs, owners, chunk_size, k)
-            checked += 1
-    assert checked > 100, "the instances must reach the balanced prefix"
-
-
-def test_chunk_k_holds_every_owners_kth_largest_item():
+def test_equal_items_give_each_owner_one_item_per_chunk():
+    # Equal costs and equal counts: chunk k holds every owner's k-th item.
     rng = random.Random(5)
     for _ in range(200):
-        costs, owners, num_ranks = _random_chunk_instance(rng, equal_counts=True)
+        num_ranks, per_owner = rng.randint(1, 6), rng.randint(1, 5)
+        owners = [r for r in range(num_ranks) for _ in range(per_owner)]
+        rng.shuffle(owners)
+        costs = [3.0] * len(owners)
         chunks = chunk_order(costs, owners, num_ranks, num_ranks)
-        per_owner = len(costs) // num_ranks
         assert len(chunks) == per_owner
-        for k, chunk in enumerate(chunks):
-            # Brute force: for each owner, the item with exactly k of its items ahead.
-            expected = {
-                i for i in range(len(costs)) if _rank_within_owner(i, costs, owners) == k
-            }
-            assert set(chunk) == expected, (costs, owners, k)
-            assert [owners[i] for i in chunk] == list(range(num_ranks))  # owner order
+        for chunk in chunks:
+            assert [owners[i] for i in chunk] == list(range(num_ranks))
+
+
+def test_a_large_item_does_not_sit_alone_while_the_others_work_piles_up():
+    # Owner 0 has one item of 10, owner 1 ten items of 1.  Cut by count (2 per chunk,
+    # round robin) the chunks would cost 10 + 9 = 19 in lockstep; by load they cost 10.
+    costs = [10] + [1] * 10
+    owners = [0] + [1] * 10
+    chunks = chunk_order(costs, owners, 2, 2)
+    assert chunked_critical_path(chunks, costs, owners) == 10
+    # The chunked path is never below the busiest owner's load, and never above it by
+    # more than one largest item per chunk.
+    rng = random.Random(6)
+    for _ in range(300):
+        costs, owners, num_ranks = _random_chunk_instance(rng)
+        if not costs:
+            continue
+        chunks = chunk_order(costs, owners, num_ranks, rng.randint(1, 7))
+        busiest = max(rank_loads(owners, costs, num_ranks))
+        path = chunked_critical_path(chunks, costs, owners)
+        assert busiest <= path <= busiest + len(chunks) * max(costs), (costs, owners, chunks)
 
 
 def test_ties_keep_index_order_and_result_is_deterministic():
     # Hand-worked: equal costs, owner 0 holds 0 and 1, owner 1 holds 2 and 3.
     assert chunk_order([5, 5, 5, 5], [0, 0, 1, 1], 2, 2) == [[0, 2], [1, 3]]
-    # Larger cost first within an owner, whatever its index.
-    assert chunk_order([1, 9, 4, 4], [0, 0, 1, 1], 2, 2) == [[1, 2], [0, 3]]
+    # Larger cost first within an owner, whatever its index: owner 0 runs 1, 2, then 0
+    # (costs 2, 2, 1); T = 6, three windows of 2; midpoints 1, 3, 4.5 and 1, 3, 5.
+    assert chunk_order([1, 2, 2, 2, 2, 2], [0, 0, 0, 1, 1, 1], 2, 2) == [[1, 3], [2, 4], [0, 5]]
+    # A window never shorter than the largest item: T = 10, largest 9, so one chunk.
+    assert chunk_order([1, 9, 4, 4], [0, 0, 1, 1], 2, 2) == [[1, 0, 2, 3]]
     costs, owners = [3, 1, 3, 2, 3, 1, 2], [1, 0, 1, 0, 2, 0, 2]
     first = chunk_order(costs, owners, 3, 2)
     assert chunk_order(tuple(costs), tuple(owners), 3, 2) == first
@@ -384,3 +391,45 @@ def test_chunk_order_bad_sizes_name_the_parameter(chunk_size, num_ranks, match):
 def test_chunk_order_rejects_bad_input_by_name(costs, owners, ranks, chunk, match):
     with pytest.raises(ValueError, match=match):
         chunk_order(costs, owners, ranks, chunk)
+
+
+# --- owners restricted to candidate ranks (replicas, expert holders) -----------------
+
+
+def _reference_lpt_among(costs, candidates):
+    loads = {}
+    owners = [None] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        best = None
+        for r in sorted(set(candidates[i])):
+            if best is None or loads.get(r, 0) < loads.get(best, 0):
+                best = r
+        owners[i] = best
+        loads[best] = loads.get(best, 0) + costs[i]
+    return owners
+
+
+def test_lpt_among_candidates_matches_the_plain_rule():
+    rng = random.Random(7)
+    for _ in range(300):
+        ranks = list(range(rng.randint(1, 9)))
+        sets = [tuple(rng.sample(ranks, rng.randint(1, len(ranks)))) for _ in range(3)] + [tuple(ranks)]
+        n = rng.randint(0, 30)
+        costs = [rng.choice([1, 2, 2.5, 7]) for _ in range(n)]
+        candidates = [rng.choice(sets) for _ in range(n)]
+        owners = assign_owners_among(costs, candidates)
+        assert owners == _reference_lpt_among(costs, candidates), (costs, candidates)
+        assert all(o in c for o, c in zip(owners, candidates))
+
+
+def test_lpt_among_everyone_is_assign_owners():
+    rng = random.Random(8)
+    for _ in range(100):
+        costs = [rng.randint(0, 9) for _ in range(rng.randint(0, 25))]
+        n = rng.randint(1, 7)
+        assert assign_owners_among(costs, [tuple(range(n))] * len(costs)) == assign_owners(costs, n)
+
+
+def test_lpt_among_rejects_empty_candidates():
+    with pytest.raises(ValueError, match=r"candidates\[1\] is empty"):
+        assign_owners_among([1, 2], [(0,), ()])

@@ -115,8 +115,10 @@ def test_members_order_and_group_caching():
     results = run_ranks(_membership_and_caching, 8, timeout=120)
     for problems, first, last in results:
         assert not problems, "\n".join(problems)
-        # multi-dim groups here: {1,2}, {0,2}, {0,1,2} -> 3 distinct rank sets per rank
-        assert first == 3
+        # Multi-dim shard dims here: {1,2} and {0,2}, each partitioning the 8 ranks into two
+        # sets of 4; {0,1,2} is the whole world (WORLD, nothing created).  Every rank creates
+        # every set, members or not (collective creation): 4 groups on every rank.
+        assert first == 4
         assert last == first  # nothing new after the first step
 
 

@@ -7,14 +7,24 @@ treated as E independent matrices.  AdamW groups hold everything else
 
 Parameters may be plain tensors or DTensors with any placements (FSDP2, HSDP,
 TP, their combinations, auto-sharding solver plans, ``_StridedShard``, uneven
-shards).  Sharded matrices go through the parallel pipeline in
-``pipeline.py``; plain tensors, replicated DTensors and DTensors sharded only
-over expert (batch) dims are orthogonalised where they are.
+shards).  A step is:
+
+  1. validate this rank's inputs (nothing changes yet);
+  2. agree with every other rank, in one small all-reduce, on everything that
+     could differ between ranks (``distributed/agreement.py``);
+  3. AdamW for the AdamW groups;
+  4. Muon: momentum on every local piece, then the cached step plan
+     (``plan.py``) run by the pipeline (``pipeline.py``).
+
+The step plan is rebuilt only when what it depends on changes: which parameters
+have gradients, their shapes and placements, and the settings.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import zlib
 from typing import Any, Callable
 
 import torch
@@ -22,12 +32,13 @@ from torch.optim import Optimizer
 
 from . import adamw as _adamw
 from . import state_layout
-from .distributed import agreement
-from .distributed.utils import construct_shard_mesh, dtensor_local_indices, is_shard
-from .muon_math import adjust_lr, apply_update_, muon_momentum_
+from .distributed import agreement, groups
+from .distributed.layout import MeshGrid, ParamLayout
+from .muon_math import adjust_lr
 from .newton_schulz import default_compute_dtype, newton_schulz_flops, zeropower_via_newtonschulz
-from .pipeline import PipelineStats, ShardedMatrixJob, gather_everything, run_parallel_muon
-from .qk_clip import QKClipConfig, QKClipReport, log_report, plan_qk_clip, scale_rows_by_head_
+from .pipeline import ParamStep, PipelineStats, gather_everything, run_parallel_muon
+from .plan import PlanParam, PlanSettings, StepPlan, build_plan
+from .qk_clip import QKClipConfig, QKClipReport, log_report, plan_qk_clip
 from .tensors import is_dtensor, local_view
 from .validation import (
     GROUPS_HELP,
@@ -35,6 +46,7 @@ from .validation import (
     check_group_params,
     check_optimizer_options,
     gradient_problem,
+    param_problem,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,7 +61,15 @@ _PICKLED_SETTINGS = dict(
     chunk_size=None,
     lookahead=1,
     skip_nonfinite=False,
+    replica_split="auto",
+    replica_split_flops_per_byte=None,
 )
+
+# "auto" splits a matrix over replicas when its Newton–Schulz does at least this many
+# FLOPs per byte of update shipped to the other replicas: a GPU's bf16 rate over an
+# inter-node link (~400 TFLOP/s over ~40 GB/s per GPU), a CPU core's fp32 rate over
+# loopback (~50 GFLOP/s over ~1 GB/s).
+DEFAULT_REPLICA_FLOPS_PER_BYTE = {"cuda": 1e4, "cpu": 50.0}
 
 
 class Muon(Optimizer):
@@ -60,7 +80,9 @@ class Muon(Optimizer):
             ``get_default_muon_param_groups``); named groups (``param_names``)
             give better error messages and enable QK-clip name matching.
         lr, weight_decay: per group (decoupled weight decay, ``p *= 1 - lr*wd``).
-        momentum, nesterov: Muon momentum (torch.optim.Muon semantics).
+        momentum, nesterov: Muon momentum (torch.optim.Muon semantics).  A
+            momentum-cycling scheduler (OneCycleLR/CyclicLR) writes ``betas``;
+            Muon groups then take their momentum from ``betas[0]``.
         ns_steps, ns_coefficients: Newton–Schulz iterations and coefficients
             ("fixed" = (3.4445, -4.7750, 2.0315), a table name, a triple, or a
             list of per-iteration triples).
@@ -68,18 +90,33 @@ class Muon(Optimizer):
             (sqrt(max(1, A/B))) or None.
         adamw_betas, adamw_eps: AdamW for the non-Muon groups (``betas``/``eps``
             per group).
+        maximize: per group; maximise the objective (the gradient's sign flips).
         eps: Newton–Schulz normalisation epsilon.
         compute_dtype: Newton–Schulz dtype; None picks by device (fp32 on CPU,
             where bf16 matmul is slow; bf16 on CUDA).
         qk_clip: a ``QKClipConfig`` to enable QK-clip (MuonClip), or None.
         distributed_mode: "parallel" (one owner per matrix, all-to-all) or
             "gather" (every rank gathers every matrix; the baseline).
-        chunk_size: matrices per pipeline chunk (default: the shard group size).
+        chunk_size: matrices per pipeline chunk (default: the number of ranks
+            the matrices are spread over).
         lookahead: chunks gathered ahead of the one being orthogonalised.
+        replica_split: "auto", "always" or "never": whether a matrix held by
+            several replicas (HSDP, replicated DTensors) is orthogonalised once in
+            the world (by one rank of any replica; the others receive their piece
+            of the update by an all-gather on the replica group) or once per
+            replica.  "auto" splits matrices whose Newton–Schulz does at least
+            ``replica_split_flops_per_byte`` FLOPs per byte of update shipped.
+        replica_split_flops_per_byte: the "auto" threshold; None: 1e4 on CUDA
+            (bf16 matmul rate over an inter-node link), 50 on CPU.
         skip_nonfinite: when any rank sees a NaN/Inf in a Muon gradient, every
             rank skips the whole step (no state changes) and
             ``last_step_skipped`` is True.  Otherwise non-finite gradients
             propagate into the parameters, as with torch's optimizers.
+
+    With DTensor parameters, building the optimizer (and ``add_param_group`` with
+    parameters that need a new process group) is collective over the default
+    process group: every rank builds its optimizer at the same point, as with
+    ``init_device_mesh``.  ``step()`` never creates process groups.
     """
 
     def __init__(
@@ -94,17 +131,22 @@ class Muon(Optimizer):
         adjust_lr: str | None = "match_rms_adamw",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
+        maximize: bool = False,
         eps: float = 1e-7,
         compute_dtype: torch.dtype | None = None,
         qk_clip: QKClipConfig | None = None,
         distributed_mode: str = "parallel",
         chunk_size: int | None = None,
         lookahead: int = 1,
+        replica_split: str = "auto",
+        replica_split_flops_per_byte: float | None = None,
         skip_nonfinite: bool = False,
     ):
         check_optimizer_options(
             eps=eps, compute_dtype=compute_dtype, qk_clip=qk_clip, qk_clip_type=QKClipConfig,
             distributed_mode=distributed_mode, chunk_size=chunk_size, lookahead=lookahead,
+            replica_split=replica_split, replica_split_flops_per_byte=replica_split_flops_per_byte,
+            skip_nonfinite=skip_nonfinite,
         )
         defaults = dict(
             lr=lr,
@@ -116,6 +158,7 @@ class Muon(Optimizer):
             adjust_lr=adjust_lr,
             betas=tuple(adamw_betas),
             eps=adamw_eps,
+            maximize=maximize,
         )
         self.ns_eps = eps
         self.compute_dtype = compute_dtype
@@ -123,6 +166,8 @@ class Muon(Optimizer):
         self.distributed_mode = distributed_mode
         self.chunk_size = chunk_size
         self.lookahead = lookahead
+        self.replica_split = replica_split
+        self.replica_split_flops_per_byte = replica_split_flops_per_byte
         self.skip_nonfinite = skip_nonfinite
         #: the last step's QK-clip record (heads clipped and max logit per layer), or None
         self.qk_clip_report: QKClipReport | None = None
@@ -130,7 +175,10 @@ class Muon(Optimizer):
         self.last_step_skipped = False
         #: timing and traffic of the last step's parallel pipeline
         self.last_step_stats = PipelineStats()
+        self._building = True
         super().__init__(params, defaults)
+        self._building = False
+        self._create_process_groups(self.param_groups)
 
     # ------------------------------------------------------------------ groups
 
@@ -145,10 +193,30 @@ class Muon(Optimizer):
         index = len(self.param_groups) - 1
         check_group_options(group, f"param_groups[{index}]")
         check_group_params(group, [self._param_name(index, i) for i in range(len(group["params"]))])
+        if not self.__dict__.get("_building", False):
+            self._create_process_groups([group], only_if_missing=True)
 
     def _param_name(self, group_index: int, i: int) -> str:
         names = self.param_groups[group_index].get("param_names")
         return names[i] if names else f"param_groups[{group_index}]['params'][{i}]"
+
+    def _create_process_groups(self, param_groups: list[dict], only_if_missing: bool = False) -> None:
+        """Create, collectively, every process group the parallel step will use (see groups.py)."""
+        import torch.distributed as dist
+
+        dtensors = [p for g in self.param_groups for p in g["params"] if is_dtensor(p)]
+        if not dtensors or not dist.is_initialized():
+            return
+        union = sorted({r for p in dtensors for r in _grid(p).ranks})
+        layouts = []
+        for g in param_groups:
+            for p in g["params"]:
+                if g["use_muon"] and is_dtensor(p) and p.dim() >= 2 and param_problem("", p) is None:
+                    layouts.append((_layout(p), p.device_mesh))  # others are refused by step()
+        needed = groups.rank_sets_needed(layouts, union)
+        if only_if_missing and all(groups.has_group(s) for s in needed):
+            return
+        groups.create_collectively(needed)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -204,6 +272,7 @@ class Muon(Optimizer):
         self.__dict__.setdefault("qk_clip_report", None)
         self.__dict__.setdefault("last_step_skipped", False)
         self.__dict__.setdefault("last_step_stats", PipelineStats())
+        self.__dict__.pop("_cached_plan", None)  # rebuilt for this process's parameters
 
     # -------------------------------------------------------------------- step
 
@@ -216,35 +285,52 @@ class Muon(Optimizer):
         q/k weights of heads over the threshold are scaled after the update.
         Every rank must pass the same value (or None on every rank).
         """
-        loss = None
+        loss, closure_error = None, None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            except Exception as err:  # noqa: BLE001 - re-raised after the ranks agree
+                closure_error = err
 
-        entries = self._collect_entries()
-        muon_named = [(e["name"], e["param"]) for e in entries if e["use_muon"]]
-        qk_plan, qk_report, local_errors = plan_qk_clip(qk_logits, muon_named, self.qk_clip)
-        # Problems are found here, before anything changes, not half-way through the step.
-        local_errors += [m for e in entries if (m := gradient_problem(e["name"], e["param"], e["grad"], e["use_muon"]))]
-        nonfinite = self.skip_nonfinite and not local_errors and self._any_nonfinite(entries)
+        # 1. This rank's view of the step; problems are found before anything changes.
+        plan = self._current_plan()
+        local_errors = list(plan.errors)
+        muon_grads = plan.muon_grads
+        for name, p, g, use_muon in plan.entries:
+            problem = gradient_problem(name, p, g, use_muon)
+            if problem:
+                local_errors.append(problem)
+        qk_plan, qk_report, qk_errors = plan_qk_clip(qk_logits, plan.muon_named, self.qk_clip)
+        local_errors += qk_errors
+        # Device facts, as 0-d int64 tensors summed over ranks with the rest and read once.
+        # Every rank sends the same slots whatever it has (a collective's size must match).
+        nothing = torch.zeros((), dtype=torch.int64)
+        nonfinite = _count_nonfinite(muon_grads) if self.skip_nonfinite and not local_errors else nothing
+        qk_digest = agreement.device_checksum(qk_logits) if qk_report is not None else nothing
 
-        # Agree on every rank-dependent fact before any collective (see agreement.py).
-        dt_entries = [e for e in entries if is_dtensor(e["param"])]
-        group = None
-        if dt_entries:
-            # once per distinct mesh: DeviceMesh.mesh is rebuilt on every access (~0.5 ms)
-            meshes = {id(e["param"].device_mesh): e["param"].device_mesh for e in dt_entries}
-            group = agreement.agreement_group(tuple(m.mesh.flatten().tolist()) for m in meshes.values())
-        # Different logits on different ranks would clip replicas differently (silently).
-        qk_digest = agreement.checksum_tensors(qk_logits) if qk_report is not None else 0
-        grad_counts, (qk_count, error_count, nonfinite_count), (same_qk,) = agreement.agree(
-            [_describe(e) for e in dt_entries],
-            [int(e["grad"] is not None) for e in dt_entries],
-            [int(qk_logits is not None), int(bool(local_errors)), int(nonfinite)],
-            group,
-            digests=[qk_digest],
+        # 2. Agree on every rank-dependent fact before any other collective.
+        outcome = agreement.agree(
+            plan.described,
+            plan.has_grad,
+            host_flags=[int(qk_logits is not None), int(bool(local_errors)), int(closure_error is not None)],
+            device_flags=[nonfinite],
+            settings=self._settings_digest(),
+            device_digest=qk_digest,
+            group=plan.agreement_group,
+            device=plan.agreement_device,
+            describe_settings=self._settings_record,
         )
-        n = agreement.group_size(group)
+        qk_count, error_count, closure_count = outcome.host_flags
+        nonfinite_count = outcome.device_flags[0]
+        n = outcome.ranks
+        if closure_error is not None:
+            raise closure_error
+        if closure_count:
+            raise RuntimeError(
+                f"Muon.step: the closure raised on {closure_count} of {n} ranks (their errors say why); this rank "
+                "stops too so that no collective hangs."
+            )
         if local_errors:
             raise ValueError("\n".join(local_errors))
         if error_count > 0:
@@ -252,10 +338,10 @@ class Muon(Optimizer):
                 f"Muon.step: {error_count} of {n} ranks rejected their inputs (their errors say why); "
                 "this rank stops too so that no collective hangs."
             )
-        for e, c in zip(dt_entries, grad_counts):
+        for name, c in zip(plan.dtensor_names, outcome.grad_counts):
             if 0 < c < n:
                 raise RuntimeError(
-                    f"Muon.step: parameter '{e['name']}' has a gradient on {c} of {n} ranks and None on the "
+                    f"Muon.step: parameter '{name}' has a gradient on {c} of {n} ranks and None on the "
                     "others. A sharded parameter needs a gradient on every rank: use it in every rank's "
                     "forward, or call zero_grad(set_to_none=False) so unused parameters get zero gradients."
                 )
@@ -264,7 +350,7 @@ class Muon(Optimizer):
                 f"Muon.step: qk_logits was passed on {qk_count} of {n} ranks and None on the others; "
                 "pass the same qk_logits on every rank (reduce them over the data-parallel ranks first)."
             )
-        if not same_qk:
+        if not outcome.same_device_digest:
             raise RuntimeError(
                 "Muon.step: qk_logits differ between ranks; every rank must pass the same per-head max "
                 "logits (all-gather over tensor-parallel ranks and max-reduce over data-parallel ranks first)."
@@ -280,28 +366,50 @@ class Muon(Optimizer):
 
         if qk_report is not None:
             log_report(qk_report)
+        # 3. AdamW, 4. Muon.
         self._adamw_step()
-        self._muon_step(entries, qk_plan)
+        self._muon_step(plan, qk_plan)
         return loss
 
     # ------------------------------------------------------------- internals
 
-    def _collect_entries(self) -> list[dict]:
+    def _settings_record(self) -> dict[str, Any]:
+        """Everything that must be equal on every rank, as plain values (for the error message)."""
+        record: dict[str, Any] = {k: repr(getattr(self, k)) for k in _PICKLED_SETTINGS if k != "qk_clip"}
+        record["qk_clip"] = repr(state_layout.qk_clip_record(self.qk_clip))
+        for i, g in enumerate(self.param_groups):
+            for key in ("use_muon", "lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients",
+                        "adjust_lr", "betas", "eps", "maximize"):
+                value = g.get(key)
+                if torch.is_tensor(value):
+                    value = value.item() if value.device.type == "cpu" else "<device tensor>"
+                record[f"param_groups[{i}].{key}"] = repr(value)
+        return record
+
+    def _settings_digest(self) -> int:
+        return agreement.checksum_text("\n".join(f"{k}={v}" for k, v in self._settings_record().items()))
+
+    def _current_plan(self) -> "_StepView":
+        """The cached step view, rebuilt when the parameters with gradients or the settings change."""
         entries = []
         for gi, group in enumerate(self.param_groups):
+            names = group.get("param_names")
             for i, p in enumerate(group["params"]):
-                entries.append(
-                    dict(param=p, grad=p.grad, group=group, name=self._param_name(gi, i), use_muon=group["use_muon"])
-                )
-        return entries
-
-    def _any_nonfinite(self, entries: list[dict]) -> bool:
-        grads = [local_view(e["grad"]) for e in entries if e["use_muon"] and e["grad"] is not None]
-        grads = [g for g in grads if g.numel() > 0]
-        if not grads:
-            return False
-        norms = torch._foreach_norm(grads)
-        return not bool(torch.isfinite(torch.stack([n.float().cpu() for n in norms])).all())
+                entries.append((names[i] if names else f"param_groups[{gi}]['params'][{i}]", p, p.grad,
+                                group["use_muon"]))
+        key = (
+            tuple((id(p), g is not None, None if g is None else g.dtype) for _, p, g, _ in entries),
+            self.distributed_mode, self.chunk_size, self.compute_dtype, self.replica_split,
+            self.replica_split_flops_per_byte,
+            tuple((g["use_muon"], g.get("ns_steps"), repr(g.get("ns_coefficients"))) for g in self.param_groups),
+        )
+        cached = self.__dict__.get("_cached_plan")
+        if cached is not None and cached.key == key:
+            cached.refresh(entries)
+            return cached
+        view = _StepView(self, entries, key)
+        self._cached_plan = view
+        return view
 
     def _adamw_step(self) -> None:
         for group in self.param_groups:
@@ -324,6 +432,7 @@ class Muon(Optimizer):
                 betas=group["betas"],
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
+                maximize=group.get("maximize", False),
             )
 
     def _orthogonalizer(self, group: dict) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -336,88 +445,228 @@ class Muon(Optimizer):
 
         return orthogonalize
 
-    def _muon_step(self, entries: list[dict], qk_plan: dict[str, tuple[torch.Tensor, int]]) -> None:
-        """Momentum on every rank's shard; then whole matrices are orthogonalised where
-        they are, and sharded ones go through the parallel pipeline."""
-        jobs: list[ShardedMatrixJob] = []
-        orthogonalizers: dict[int, Callable] = {}
-        for e in entries:
-            p, grad, group = e["param"], e["grad"], e["group"]
-            if not e["use_muon"] or grad is None:
-                continue
+    def _muon_step(self, view: "_StepView", qk_plan: dict[str, tuple[torch.Tensor, int]]) -> None:
+        """Momentum on every local piece, then the step plan through the pipeline."""
+        params = view.muon_params
+        self.last_step_stats = PipelineStats(params[0].device if params else None)
+        if not params:
+            return
+        bufs = []
+        for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)  # a DTensor keeps p's placements
-            # Elementwise, so each rank works on its shard alone (grad and buffer share p's placements).
-            update = muon_momentum_(local_view(state["momentum_buffer"]), local_view(grad),
-                                    group["momentum"], group["nesterov"])
+            bufs.append(local_view(state["momentum_buffer"]))
+        grads = [local_view(p.grad) for p in params]
+        groups_of = view.muon_groups
+        # Momentum, elementwise on local pieces: buf <- momentum*buf + (1-momentum)*grad.
+        by_momentum: dict[tuple[float, bool], list[int]] = {}
+        for i, group in enumerate(groups_of):
+            by_momentum.setdefault((_muon_momentum(group), bool(group.get("maximize", False))), []).append(i)
+        signed = list(grads)
+        for (momentum, maximize), idx in by_momentum.items():
+            gs = [grads[i] if grads[i].dtype == bufs[i].dtype else grads[i].to(bufs[i].dtype) for i in idx]
+            if maximize:
+                gs = torch._foreach_neg(gs)
+            for i, g in zip(idx, gs):
+                signed[i] = g
+            torch._foreach_lerp_([bufs[i] for i in idx], gs, 1 - momentum)
+
+        orthogonalizers: dict[int, Callable] = {}
+        steps = []
+        for i, (p, group) in enumerate(zip(params, groups_of)):
             lr, wd = group["lr"], group["weight_decay"]
-            adjusted = adjust_lr(lr, p.shape, group["adjust_lr"])
             ortho = orthogonalizers.setdefault(id(group), self._orthogonalizer(group))
-            qk = qk_plan.get(e["name"])
-
-            sharded_dims = [pl.dim % p.dim() for pl in p.placements if is_shard(pl)] if is_dtensor(p) else []
-            if all(d < p.dim() - 2 for d in sharded_dims):
-                # Whole matrices are local (plain tensors, replicated DTensors, experts
-                # sharded on dim 0): orthogonalise in place, no communication.
-                apply_update_(local_view(p), ortho(update).to(update.dtype), lr, adjusted, wd)
-                if qk is not None:
-                    rows = slice(0, p.shape[0])
-                    if sharded_dims:
-                        rows = dtensor_local_indices(p)[0]
-                    scale_rows_by_head_(local_view(p), rows, qk[1], qk[0])
-                continue
-
-            shard_group, members = self._shard_plan(p)
-            jobs.append(
-                ShardedMatrixJob(
-                    name=e["name"],
-                    param_local=local_view(p),
-                    update_local=update.contiguous(),
-                    global_shape=p.shape,
-                    shard_group=shard_group,
-                    member_indices=members,
-                    lr=lr,
-                    adjusted_lr=adjusted,
-                    weight_decay=wd,
-                    cost=float(newton_schulz_flops(tuple(p.shape), group["ns_steps"])),
-                    orthogonalize=ortho,
-                    wire_dtype=self._wire_dtype(update),
-                    qk_head_scales=None if qk is None else qk[0],
-                    qk_head_dim=0 if qk is None else qk[1],
-                    mesh=p.device_mesh,
-                    placements=tuple(p.placements),
-                )
-            )
-        self.last_step_stats = PipelineStats()
-        if not jobs:
-            return
+            steps.append(ParamStep(
+                param=local_view(p), grad=signed[i], buf=bufs[i], momentum=_muon_momentum(group),
+                nesterov=group["nesterov"], lr=lr, adjusted_lr=adjust_lr(lr, p.shape, group["adjust_lr"]),
+                weight_decay=wd, orthogonalize=ortho,
+                qk_row_scales=view.qk_row_scales(i, qk_plan),
+            ))
         if self.distributed_mode == "gather":
-            gather_everything(jobs, self.last_step_stats)
+            gather_everything(view.plan, steps, self.last_step_stats)
         else:
-            run_parallel_muon(jobs, chunk_size=self.chunk_size, lookahead=self.lookahead, stats=self.last_step_stats)
-
-    def _wire_dtype(self, update: torch.Tensor) -> torch.dtype:
-        """What a sharded update travels as: the Newton–Schulz dtype when narrower."""
-        compute = self.compute_dtype or default_compute_dtype(update.device)
-        return compute if compute.itemsize < update.dtype.itemsize else update.dtype
-
-    def _shard_plan(self, p) -> tuple:
-        """The shard group of a DTensor param and every member's global indices.
-
-        Pure functions of (shape, mesh, placements), so computed once and cached
-        (process groups behind them are themselves created once).
-        """
-        key = (tuple(p.shape), p.device_mesh, tuple(p.placements))
-        plans = self.__dict__.setdefault("_shard_plans", {})
-        if key not in plans:
-            group = construct_shard_mesh(p.placements, p.device_mesh)
-            members = [group.indices_of(p.shape, m) for m in range(group.size)]
-            plans[key] = (group, members)
-        return plans[key]
+            run_parallel_muon(view.plan, steps, lookahead=self.lookahead, stats=self.last_step_stats)
 
 
-def _describe(e: dict) -> str:
+def _muon_momentum(group: dict) -> float:
+    # OneCycleLR/CyclicLR with cycle_momentum write betas[0] into every group (the
+    # defaults contain "betas") and mark the group with max/base_momentum; a Muon
+    # group then follows that schedule, as torch.optim.Muon follows "momentum".
+    if "max_momentum" in group and "base_momentum" in group:
+        return float(group["betas"][0])
+    return group["momentum"]
+
+
+def _count_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """How many local gradients hold a NaN/Inf, as a 0-d device tensor (no host sync).
+
+    The max-abs norm of finite values is finite in any dtype (an fp16 sum of squares
+    would overflow above 65504 and flag finite gradients).
+    """
+    nonempty = [g for g in grads if g.numel()]
+    if not nonempty:
+        return torch.zeros((), dtype=torch.int64, device=grads[0].device if grads else "cpu")
+    norms = torch._foreach_norm(nonempty, float("inf"))
+    return (~torch.isfinite(torch.stack([n.float() for n in norms]))).sum()
+
+
+# ---------------------------------------------------------------------------
+# The cached view of a step
+# ---------------------------------------------------------------------------
+
+_GRIDS: dict[int, tuple[object, MeshGrid]] = {}
+
+
+def _grid(p) -> MeshGrid:
+    mesh = p.device_mesh
+    hit = _GRIDS.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        hit = _GRIDS[id(mesh)] = (mesh, MeshGrid.of(mesh))
+    return hit[1]
+
+
+def _layout(p) -> ParamLayout:
+    return ParamLayout(tuple(p.shape), _grid(p), tuple(p.placements))
+
+
+class _StepView:
+    """Everything about a step that depends only on which parameters have gradients
+    and on the settings: the plan, the agreement's descriptions, QK-clip row maps."""
+
+    def __init__(self, opt: Muon, entries: list, key: tuple):
+        import torch.distributed as dist
+
+        self.key = key
+        self.entries = entries
+        self.errors: list[str] = []
+        dt = [(n, p, g) for n, p, g, _ in entries if is_dtensor(p)]
+        self.dtensor_names = [n for n, _, _ in dt]
+        self.described = [_describe(n, p) for n, p, _ in dt]
+        self.has_grad = [int(g is not None) for _, _, g in dt]
+        self.agreement_group, self.agreement_device = None, torch.device("cpu")
+        if dt and dist.is_initialized():
+            meshes = {id(p.device_mesh): p for _, p, _ in dt}
+            union = sorted({r for p in meshes.values() for r in _grid(p).ranks})
+            try:
+                self.agreement_group = groups.group_for(union)
+            except RuntimeError as err:
+                self.errors.append(str(err))
+            self.agreement_device = _mesh_device(next(iter(meshes.values())).device_mesh)
+
+        for name, p, _, use_muon in entries:
+            problem = param_problem(name, p)
+            if problem:
+                self.errors.append(problem)
+        muon = [(n, p, g, gi) for gi, group in enumerate(opt.param_groups) if group["use_muon"]
+                for n, p in _named(opt, gi) if p.grad is not None for g in [p.grad]]
+        self.muon_named = [(n, p) for n, p, _, _ in muon]
+        self.muon_params = [p for _, p, _, _ in muon]
+        self.muon_groups = [opt.param_groups[gi] for _, _, _, gi in muon]
+        self.muon_grads = [local_view(g) for _, _, g, _ in muon]
+        self._row_heads: dict[int, torch.Tensor] = {}
+        self.plan = StepPlan([], [], 0, 0, 0.0, 0, 0, 0)
+        if self.errors:
+            return
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        plan_params = []
+        for n, p, _, gi in muon:
+            group = opt.param_groups[gi]
+            steps = group["ns_steps"]
+            layout = _layout(p) if is_dtensor(p) else None
+            if layout is not None:
+                problem = _local_shape_problem(n, p, layout, rank)
+                if problem:
+                    self.errors.append(problem)
+            plan_params.append(PlanParam(
+                name=n, shape=tuple(p.shape), layout=layout, wire_dtype=_wire_dtype(opt, p),
+                device=local_view(p).device, ns_key=gi,
+                cost=lambda shape, steps=steps: float(newton_schulz_flops(shape, steps)),
+                mesh=p.device_mesh if layout is not None else None,
+            ))
+        if self.errors:
+            return
+        flops_per_byte = opt.replica_split_flops_per_byte
+        if flops_per_byte is None:
+            flops_per_byte = DEFAULT_REPLICA_FLOPS_PER_BYTE.get(self.agreement_device.type, 1e4)
+        settings = PlanSettings(
+            chunk_size=opt.chunk_size, replica_split=opt.replica_split,
+            replica_min_flops_per_byte=flops_per_byte, mode=opt.distributed_mode,
+        )
+        try:
+            self.plan = build_plan(plan_params, rank, settings, groups.group_for)
+        except (RuntimeError, ValueError) as err:  # found on this rank only: agree, then raise
+            self.errors.append(f"Muon.step: cannot plan the parallel step on this rank: {err}")
+
+    def refresh(self, entries: list) -> None:
+        """Same parameters and settings as when cached: take this step's gradient objects."""
+        self.entries = entries
+        self.muon_grads = [local_view(p.grad) for p in self.muon_params]
+
+    def qk_row_scales(self, i: int, qk_plan: dict) -> torch.Tensor | None:
+        """Per local row of Muon parameter ``i``: its head's QK-clip factor (on the device)."""
+        name = self.muon_named[i][0]
+        entry = qk_plan.get(name)
+        if entry is None:
+            return None
+        scales, head_dim = entry
+        heads = self._row_heads.get(i)
+        if heads is None:
+            p = self.muon_params[i]
+            rows = _local_rows(p)
+            device = local_view(p).device
+            idx = torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
+            heads = self._row_heads[i] = (idx // head_dim).to(device)
+        return scales.to(heads.device, non_blocking=True)[heads]
+
+
+def _named(opt: Muon, gi: int):
+    group = opt.param_groups[gi]
+    names = group.get("param_names")
+    for i, p in enumerate(group["params"]):
+        yield (names[i] if names else f"param_groups[{gi}]['params'][{i}]"), p
+
+
+def _local_rows(p) -> slice | torch.Tensor:
+    if not is_dtensor(p):
+        return slice(0, p.shape[0])
+    layout = _layout(p)
+    import torch.distributed as dist
+
+    return layout.indices(layout.grid.coordinate(dist.get_rank()))[0]
+
+
+def _local_shape_problem(name: str, p, layout: ParamLayout, rank: int) -> str | None:
+    coord = layout.grid.coordinate(rank)
+    if coord is None:
+        return None  # param_problem names it
+    want = layout.local_shape(coord)
+    got = tuple(local_view(p).shape)
+    if got != want:
+        return (
+            f"Muon: parameter '{name}' has a local shard of shape {got} on this rank, but its placements "
+            f"{tuple(p.placements)} on a {tuple(layout.grid.shape)} mesh put a shard of shape {want} here "
+            "(torch.chunk semantics). The DTensor was built with a layout its placements do not describe; "
+            "build it with distribute_tensor/redistribute or pass the right shape/stride to from_local."
+        )
+    return None
+
+
+def _mesh_device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _wire_dtype(opt: Muon, p) -> torch.dtype:
+    """What a sharded update travels as: the Newton–Schulz dtype when narrower."""
+    compute = opt.compute_dtype or default_compute_dtype(local_view(p).device)
+    return compute if compute.itemsize < p.dtype.itemsize else p.dtype
+
+
+def _describe(name: str, p) -> str:
     """A DTensor parameter as the agreement compares it across ranks."""
-    p = e["param"]
-    return f"'{e['name']}' {tuple(p.shape)} {tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)}"
+    return f"'{name}' {tuple(p.shape)} {tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)}"
+
+
+__all__ = ["Muon"]

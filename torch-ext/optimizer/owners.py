@@ -23,6 +23,11 @@ from .newton_schulz import newton_schulz_flops
 __all__ = [
     "WorkUnit",
     "assign_owners",
+    "assign_owners_among",
+    "chunk_order",
+    "chunked_critical_path",
+    "cut_chunks",
+    "split_range_evenly",
     "assign_units",
     "plan_units",
     "rank_loads",
@@ -57,48 +62,116 @@ def _check_costs(costs: Sequence[float]) -> None:
 
 
 def assign_owners(costs: Sequence[float], num_ranks: int) -> list[int]:
-    """Longest-processing-time-first: the owner rank of every item.
+    """Longest-processing-time-first: the owner rank (0..num_ranks-1) of every item.
 
     Items are taken by cost, largest first (equal costs: lower index first), and each
     goes to the currently least-loaded rank (equal loads: lower rank).  LPT's makespan
     is at most (4/3 - 1/(3 num_ranks)) times the optimum (Graham, 1969).
     """
     _check_num_ranks(num_ranks)
+    everyone = tuple(range(num_ranks))
+    return assign_owners_among(costs, [everyone] * len(costs))
+
+
+def assign_owners_among(costs: Sequence[float], candidates: Sequence[Sequence[int]]) -> list[int]:
+    """LPT where item ``i`` may only go to a rank in ``candidates[i]``.
+
+    The same rule as :func:`assign_owners` (largest item first, to the least-loaded
+    allowed rank, ties to the lower index and the lower rank), over global rank ids.
+    Parallel Muon uses it across replicas: a matrix may be owned by any rank that
+    holds a copy of its shards, an expert range only by ranks that hold those
+    experts.  One heap per distinct candidate set; a rank's entry in the other
+    heaps goes stale when it takes an item, and is refreshed when it surfaces (loads
+    only grow, so a stale entry is never too high).  O(items x log ranks) for the
+    few candidate sets a model has.
+    """
     _check_costs(costs)
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
-    # Heap of (load, rank): the tuple order is exactly the tie rule above.
-    loads = [(0, r) for r in range(num_ranks)]
+    if len(candidates) != len(costs):
+        raise ValueError(f"candidates has {len(candidates)} entries but costs has {len(costs)}; give one per item")
+    loads: dict[int, float] = {}
+    heaps: dict[tuple[int, ...], list[tuple[float, int]]] = {}
     owners = [0] * len(costs)
-    for i in order:
-        load, rank = heapq.heappop(loads)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        allowed = tuple(candidates[i])
+        if not allowed:
+            raise ValueError(f"candidates[{i}] is empty: every item needs at least one rank that may own it")
+        heap = heaps.get(allowed)
+        if heap is None:
+            heap = heaps[allowed] = [(loads.get(r, 0), r) for r in sorted(set(allowed))]
+            heapq.heapify(heap)
+        load, rank = heap[0]
+        while load != loads.get(rank, 0):  # stale: the rank took items through another heap
+            heapq.heapreplace(heap, (loads[rank], rank))
+            load, rank = heap[0]
         owners[i] = rank
-        heapq.heappush(loads, (load + costs[i], rank))
+        loads[rank] = load + costs[i]
+        heapq.heapreplace(heap, (loads[rank], rank))
     return owners
 
 
 def chunk_order(costs: Sequence[float], owners: Sequence[int], num_ranks: int, chunk_size: int) -> list[list[int]]:
-    """Cut owned items into pipeline chunks: lists of item indices.
+    """Cut owned items into pipeline chunks (lists of item indices), by cumulative load.
 
-    Each owner's items are taken largest first, and chunks are filled
-    round-robin over owners, so chunk k holds every rank's k-th largest item:
-    similar work per rank in every chunk, hence little waiting at each chunk's
-    all-to-alls.  Deterministic (ties keep index order).
+    Owners are ranks 0..num_ranks-1 (see :func:`cut_chunks` for the rule).
     """
     _check_num_ranks(num_ranks)
+    bad = [i for i, o in enumerate(owners) if not (isinstance(o, int) and 0 <= o < num_ranks)]
+    if len(owners) == len(costs) and bad:
+        raise ValueError(f"owners[{bad[0]}] = {owners[bad[0]]!r} is not a rank in [0, {num_ranks})")
+    return cut_chunks(costs, owners, chunk_size)
+
+
+def cut_chunks(costs: Sequence[float], owners: Sequence[int], chunk_size: int) -> list[list[int]]:
+    """Cut owned items into pipeline chunks so that every chunk holds similar work for every owner.
+
+    Ranks meet at every chunk's all-to-alls, so a step costs about the sum over
+    chunks of the busiest owner's work in that chunk.  Each owner's items are laid
+    end to end, largest first (ties: lower index), on a common time axis of length
+    T (the busiest owner's total); the axis is cut into C equal windows, and an
+    item goes to the window holding its midpoint.  C is ceil(items / chunk_size)
+    (``chunk_size`` items per chunk on average), but never more than T divided by
+    the largest item: a window shorter than an item would leave that item alone
+    in its chunk while every other owner's work in the other chunks adds up.
+    Within a chunk items are ordered by owner, then largest first.  Empty windows
+    are dropped.  Deterministic.
+    """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int (items per chunk), got {chunk_size!r}")
     if len(owners) != len(costs):
         raise ValueError(f"owners has {len(owners)} entries but costs has {len(costs)}; give one owner per item")
-    bad = [i for i, o in enumerate(owners) if not (isinstance(o, int) and 0 <= o < num_ranks)]
-    if bad:
-        raise ValueError(f"owners[{bad[0]}] = {owners[bad[0]]!r} is not a rank in [0, {num_ranks})")
-    per_owner: list[list[int]] = [[] for _ in range(num_ranks)]
+    _check_costs(costs)
+    if not costs:
+        return []
+    per_owner: dict[int, list[int]] = {}
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        per_owner[owners[i]].append(i)
-    interleaved = [
-        items[k] for k in range(max((len(p) for p in per_owner), default=0)) for items in per_owner if k < len(items)
-    ]
-    return [interleaved[s : s + chunk_size] for s in range(0, len(interleaved), chunk_size)]
+        per_owner.setdefault(owners[i], []).append(i)
+    total = max(sum(costs[i] for i in items) for items in per_owner.values())
+    largest = max(costs)
+    num_chunks = math.ceil(len(costs) / chunk_size)
+    if largest > 0:
+        num_chunks = max(1, min(num_chunks, math.floor(total / largest)))
+    window = [[] for _ in range(num_chunks)]
+    for owner in sorted(per_owner):
+        start = 0.0
+        for position, i in enumerate(per_owner[owner]):
+            if total > 0:
+                k = min(num_chunks - 1, math.floor((start + costs[i] / 2) * num_chunks / total))
+            else:  # nothing costs anything: spread by count
+                k = min(num_chunks - 1, position * num_chunks // len(per_owner[owner]))
+            window[k].append(i)
+            start += costs[i]
+    return [w for w in window if w]
+
+
+def chunked_critical_path(chunks: Sequence[Sequence[int]], costs: Sequence[float], owners: Sequence[int]) -> float:
+    """Sum over chunks of the busiest owner's work in it (chunks meeting at barriers)."""
+    path = 0.0
+    for chunk in chunks:
+        loads: dict[int, float] = {}
+        for i in chunk:
+            loads[owners[i]] = loads.get(owners[i], 0.0) + costs[i]
+        path += max(loads.values(), default=0.0)
+    return path
 
 
 def assign_units(units: Sequence[WorkUnit], num_ranks: int) -> list[int]:
@@ -135,8 +208,8 @@ def load_imbalance(assignment: Sequence[int], costs: Sequence[float], num_ranks:
     return max(loads) / ideal
 
 
-def _split_ranges(length: int, pieces: int) -> list[slice]:
-    # Contiguous, near-equal: the first (length % pieces) ranges get one extra index.
+def split_range_evenly(length: int, pieces: int) -> list[slice]:
+    """``range(length)`` as ``pieces`` contiguous, near-equal slices (the first ``length % pieces`` one longer)."""
     base, extra = divmod(length, pieces)
     slices, start = [], 0
     for p in range(pieces):
@@ -196,7 +269,7 @@ def plan_units(
             split.append(unit)
             continue
         per_expert = newton_schulz_flops(shape[1:], ns_steps)
-        for sl in _split_ranges(num_experts, pieces):
+        for sl in split_range_evenly(num_experts, pieces):
             split.append(WorkUnit(unit.param_index, sl, per_expert * (sl.stop - sl.start)))
 
     if len(split) == len(whole):

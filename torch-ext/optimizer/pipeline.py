@@ -1,32 +1,34 @@
 """Parallel Muon: orthogonalise sharded gradients with one owner rank per matrix.
 
 Newton–Schulz needs whole matrices, but FSDP/HSDP/TP/solver placements leave
-each rank a shard.  Rather than gathering every matrix on every rank, each
-matrix gets one *owner* in its shard group, chosen to balance Newton–Schulz
-FLOPs.  Parameters are processed in chunks, and each chunk goes through four
-stages, read top to bottom below:
+each rank a piece.  Rather than gathering every matrix on every rank, each matrix
+(or range of experts) has one *owner*, and the step plan (``plan.py``, computed
+once) says who owns what and where every piece sits in every buffer.  Each chunk
+of the plan goes through four stages, read top to bottom below:
 
-  1. gather        one all_to_all_single sends every rank's momentum-updated
-                   gradient shard to the owner, which assembles full matrices
-                   (slice or index assignment, from the placement index math);
-  2. orthogonalize the owner runs Newton–Schulz (batched for 3-D experts);
-  3. scatter       one all_to_all_single returns to each rank its shard of
-                   the update;
-  4. update        weight decay + update on the local shard, then QK-clip of
-                   the local rows (each row scaled by its own global head).
+  1. gather        every rank writes its momentum update of each piece owned in its
+                   shard group straight into the send buffer (in the wire dtype), and
+                   one all_to_all_single delivers the pieces to their owners, which
+                   assemble whole matrices with one index kernel each (none at all
+                   where the pieces arrive as the matrix's rows);
+  2. orthogonalize the owner runs Newton–Schulz, one batched call per shape;
+  3. scatter       one all_to_all_single returns to every rank its piece of the
+                   update; when the matrix was split over replicas (HSDP, replicated
+                   DTensors), one all_gather on the replica group then hands every
+                   other replica the pieces this replica's owners computed;
+  4. update        weight decay and the update on the local piece, then QK-clip of
+                   its rows (each row scaled by its own head, found by the plan).
 
-Planning comes first (``plan_chunks``): jobs are grouped by shard group,
-dominant 3-D expert weights are split into expert ranges with owners of their
-own (``split_expert_jobs``), owners are balanced by longest-processing-time-
-first, and chunks are cut so each holds similar work for every rank.
+Chunk i+1's gather is in flight while chunk i is orthogonalised, chunk i-1's
+scatter and chunk i-2's replica all-gather too (``async_op=True``, gloo and
+NCCL alike).  Peak extra memory: the buffers of ``lookahead + 2`` chunks, one more
+while a replica all-gather is in flight.
 
-Chunk i+1's gather is in flight (``async_op=True``; works on gloo and NCCL)
-while chunk i is orthogonalised, and chunk i's scatter is in flight while
-chunk i+1 is orthogonalised.  Peak extra memory is bounded by the chunk size
-and the lookahead: at most ``lookahead + 2`` chunks' buffers exist at once.
+Nothing here reads device data back to the host: every size and offset comes
+from the plan, every index tensor already lives on the parameter's device.
 
 ``gather_everything`` is the baseline ("Distributed Muon", Liu et al. 2025):
-every rank all-gathers every matrix, orthogonalises it and keeps its shard.
+every rank all-gathers every matrix, orthogonalises it and keeps its piece.
 """
 
 from __future__ import annotations
@@ -34,233 +36,207 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .distributed.utils import ShardGroup, as_indexer, block_shape
 from .muon_math import apply_update_
-from .owners import assign_owners, chunk_order, plan_units
-from .qk_clip import scale_rows_by_head_
-
-Indices = tuple  # per tensor dim: slice or 1-D LongTensor of global indices
+from .plan import Chunk, Owned, StepPlan
 
 
 @dataclass
-class ShardedMatrixJob:
-    """One sharded parameter's work in this step, as seen by this rank."""
+class ParamStep:
+    """One Muon parameter's tensors and settings for this step (built by ``Muon.step``)."""
 
-    name: str
-    param_local: torch.Tensor  # this rank's shard of the parameter; updated in place
-    update_local: torch.Tensor  # this rank's shard of the momentum output
-    global_shape: torch.Size
-    shard_group: ShardGroup
-    member_indices: list[Indices]  # global indices held by each shard-group member
+    param: torch.Tensor  # local piece, updated in place
+    grad: torch.Tensor  # local piece of the gradient
+    buf: torch.Tensor  # local piece of the momentum buffer (already updated)
+    momentum: float
+    nesterov: bool
     lr: float
     adjusted_lr: float
     weight_decay: float
-    cost: float  # Newton–Schulz FLOPs of the whole matrix (owner balancing)
-    orthogonalize: Callable[[torch.Tensor], torch.Tensor]  # the group's Newton–Schulz
-    # Dtype on the wire (and of the assembled matrix): the Newton–Schulz compute dtype when
-    # that is narrower than the update's (bf16 on CUDA: half the bytes, and nothing lost,
-    # since Newton–Schulz casts its input to it first and returns it).
-    wire_dtype: torch.dtype
-    # QK-clip: per-head scales over the GLOBAL heads of this weight, and head_dim.
-    qk_head_scales: torch.Tensor | None = None
-    qk_head_dim: int = 0
-    # for the gather-everything baseline
-    mesh: object = None
-    placements: tuple = ()
-
-    # derived from member_indices once, not in every stage's loops
-    member_shapes: list[tuple[int, ...]] = field(init=False, repr=False)
-    member_numels: list[int] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.member_shapes = [block_shape(indices) for indices in self.member_indices]
-        self.member_numels = [math.prod(shape) for shape in self.member_shapes]
+    orthogonalize: Callable[[torch.Tensor], torch.Tensor]
+    qk_row_scales: torch.Tensor | None = None  # one factor per local row, on the device
 
 
-@dataclass
+# --------------------------------------------------------------------------
+# Timing and traffic
+# --------------------------------------------------------------------------
+
+STAGES = ("gather", "orthogonalize", "scatter", "exchange", "update", "qk_clip")
+
+
 class PipelineStats:
-    """Per-stage wall time (seconds) and bytes this rank sent / received."""
+    """Per-stage seconds and bytes of the last step.
 
-    seconds: dict[str, float] = field(
-        default_factory=lambda: {k: 0.0 for k in ("gather", "orthogonalize", "scatter", "update", "qk_clip")}
-    )
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    matrices: int = 0  # pipeline jobs: parameters, or expert ranges of split 3-D weights
-    chunks: int = 0
-    all_to_alls: int = 0
+    On CUDA the stages are bracketed by events on the current stream and
+    ``seconds`` waits for them when read (never during the step); on CPU they are
+    ``perf_counter`` intervals.
+    """
+
+    def __init__(self, device: torch.device | None = None):
+        self._cuda = device is not None and device.type == "cuda"
+        self._seconds = {k: 0.0 for k in STAGES}
+        self._events: list[tuple[str, object, object]] = []
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.matrices = 0  # distributed jobs this step (every owner's), plus local units
+        self.owned = 0  # jobs this rank orthogonalised
+        self.chunks = 0
+        self.all_to_alls = 0
+        self.all_gathers = 0
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        for stage, start, end in self._events:
+            end.synchronize()
+            self._seconds[stage] += start.elapsed_time(end) / 1e3
+        self._events.clear()
+        return dict(self._seconds)
+
+    def time(self, stage: str) -> "_Span":
+        return _Span(self, stage)
+
+
+class _Span:
+    def __init__(self, stats: PipelineStats, stage: str):
+        self.stats, self.stage = stats, stage
+
+    def __enter__(self):
+        if self.stats._cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.stats._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.stats._events.append((self.stage, self.start, end))
+        else:
+            self.stats._seconds[self.stage] += time.perf_counter() - self.start
+        return False
+
+
+def _piece(buffer: torch.Tensor, offset: int, padded: Sequence[int], mine: Sequence[int]) -> torch.Tensor:
+    """A padded block of ``buffer`` at ``offset``, cut to the real block's shape."""
+    block = buffer[offset: offset + math.prod(padded)].view(padded)
+    if tuple(mine) != tuple(padded):
+        block = block[tuple(slice(0, n) for n in mine)]
+    return block
+
+
+def _region(t: torch.Tensor, region) -> torch.Tensor:
+    return t[region] if region else t
+
+
+def _momentum_update_into(out: torch.Tensor, s: ParamStep, region) -> None:
+    """``out`` <- the tensor Muon orthogonalises (Nesterov: ``grad.lerp(buf, momentum)``)."""
+    buf = _region(s.buf, region)
+    if not s.nesterov:
+        out.copy_(buf)
+        return
+    grad = _region(s.grad, region)
+    if grad.dtype != buf.dtype:  # e.g. bf16 gradients of fp32 parameters
+        grad = grad.to(buf.dtype)
+    torch.lerp(grad, buf, s.momentum, out=out)
 
 
 # --------------------------------------------------------------------------
-# Planning: owners and chunks (pure and deterministic: every rank computes the
-# same plan from the same job list, so their collectives line up).
+# Stage 1: gather pieces to owners.
 # --------------------------------------------------------------------------
 
 
 @dataclass
-class Chunk:
-    jobs: list[ShardedMatrixJob]
-    owners: list[int]  # owner (index into the shard group) of each job
-    group: ShardGroup
-
-    def owned_by(self, member: int) -> list[ShardedMatrixJob]:
-        return [j for j, o in zip(self.jobs, self.owners) if o == member]
-
-
-def plan_chunks(jobs: Sequence[ShardedMatrixJob], chunk_size: int | None) -> list[Chunk]:
-    """Group jobs by shard group and dtype, balance owners, cut into chunks.
-
-    Owners are assigned over a whole shard group (not per chunk) by
-    longest-processing-time-first on Newton–Schulz FLOPs.  Chunks then take the
-    owners' jobs round-robin, largest first, so every rank has similar work in
-    every chunk, which is what lets one chunk's communication hide behind
-    another's compute.
-    """
-    buckets: dict[tuple, list[ShardedMatrixJob]] = {}
-    for job in jobs:
-        key = (tuple(job.shard_group.ranks), job.wire_dtype)
-        buckets.setdefault(key, []).append(job)
-    chunks: list[Chunk] = []
-    for bucket in buckets.values():
-        group = bucket[0].shard_group
-        n = len(group.ranks)
-        bucket = split_expert_jobs(bucket, n)
-        costs = [j.cost for j in bucket]
-        owners = assign_owners(costs, n)
-        for indices in chunk_order(costs, owners, n, chunk_size or n):
-            chunks.append(Chunk([bucket[i] for i in indices], [owners[i] for i in indices], group))
-    return chunks
-
-
-def split_expert_jobs(jobs: Sequence[ShardedMatrixJob], num_ranks: int) -> list[ShardedMatrixJob]:
-    """Cut 3-D expert weights into expert ranges with owners of their own, when that balances better.
-
-    An ``[E, out, in]`` weight is E independent matrices.  Whole, one owner
-    orthogonalises all of them, which unbalances the group when a few expert
-    weights dominate the work; ``owners.plan_units`` splits such weights into
-    contiguous expert ranges, and only when that lowers the busiest rank's load.
-    A range is a job like any other, over a view of the local shard.
-    """
-    units = plan_units([j.global_shape for j in jobs], num_ranks)
-    if len(units) == len(jobs):
-        return list(jobs)
-    pieces: dict[int, list[slice]] = {}
-    for unit in units:
-        if unit.expert_slice is not None:
-            pieces.setdefault(unit.param_index, []).append(unit.expert_slice)
-    out: list[ShardedMatrixJob] = []
-    for i, job in enumerate(jobs):
-        ranges = pieces.get(i)
-        split = [_expert_range_job(job, r) for r in ranges] if ranges else None
-        if split is None or any(s is None for s in split):
-            out.append(job)  # whole: not split, or a member's experts are not contiguous locally
-        else:
-            out.extend(split)
-    return out
-
-
-def _expert_range_job(job: ShardedMatrixJob, experts: slice) -> ShardedMatrixJob | None:
-    """The job restricted to global experts ``experts``, or None if some member's
-    experts in that range are not a contiguous run of its local dim 0."""
-    e0, e1 = experts.start, experts.stop
-    members, positions = [], []
-    for indices in job.member_indices:
-        first = indices[0]
-        if isinstance(first, slice):
-            lo, hi = max(first.start, e0), min(first.stop, e1)
-            hi = max(lo, hi)
-            local = slice(lo - first.start, hi - first.start)
-            members.append((slice(lo - e0, hi - e0), *indices[1:]))
-        else:
-            where = ((first >= e0) & (first < e1)).nonzero().flatten()
-            if where.numel() and not torch.equal(where, torch.arange(int(where[0]), int(where[0]) + where.numel())):
-                return None
-            start = int(where[0]) if where.numel() else 0
-            local = slice(start, start + where.numel())
-            members.append((first[where] - e0, *indices[1:]))
-        positions.append(local)
-    mine = positions[job.shard_group.my_index]
-    return replace(
-        job,
-        name=f"{job.name}[experts {e0}:{e1}]",
-        param_local=job.param_local[mine],  # a view: the update lands in the parameter
-        update_local=job.update_local[mine],
-        global_shape=torch.Size((e1 - e0, *job.global_shape[1:])),
-        member_indices=members,
-        cost=job.cost * (e1 - e0) / job.global_shape[0],
-    )
-
-
-# --------------------------------------------------------------------------
-# Stage 1: gather shards to owners.
-# --------------------------------------------------------------------------
-
-
-@dataclass
-class _InFlight:
+class _Flight:
     chunk: Chunk
     recv: torch.Tensor
-    recv_splits: list[int]
     work: object
-    send: torch.Tensor  # kept alive until the collective completes
+    send: torch.Tensor | None = None  # kept alive until the collective completes
+    fulls: list = field(default_factory=list)
 
 
-def _all_to_all(send, send_splits, recv_splits, group: ShardGroup, stats: PipelineStats):
-    recv = send.new_empty(sum(recv_splits))
-    work = dist.all_to_all_single(
-        recv, send, recv_splits, send_splits, group=group.group, async_op=True
-    )
-    me = group.my_index
-    elem = send.element_size()
-    stats.bytes_sent += (sum(send_splits) - send_splits[me]) * elem
-    stats.bytes_received += (sum(recv_splits) - recv_splits[me]) * elem
+def _all_to_all(recv, send, recv_splits, send_splits, chunk: Chunk, stats: PipelineStats):
+    if chunk.shard_group is None:  # one member: it is its own owner
+        recv.copy_(send) if recv.data_ptr() != send.data_ptr() else None
+        return None
     stats.all_to_alls += 1
-    return recv, work
+    return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=chunk.shard_group, async_op=True)
 
 
-def start_gather(chunk: Chunk, stats: PipelineStats) -> _InFlight:
-    t0 = time.perf_counter()
-    group = chunk.group
-    me, n = group.my_index, len(group.ranks)
-    send_parts, send_splits = [], []
-    for dest in range(n):
-        owned = chunk.owned_by(dest)
-        send_parts += [j.update_local.reshape(-1).to(j.wire_dtype) for j in owned]
-        send_splits.append(sum(j.member_numels[me] for j in owned))
-    mine = chunk.owned_by(me)
-    recv_splits = [sum(j.member_numels[src] for j in mine) for src in range(n)]
-    dtype = chunk.jobs[0].wire_dtype
-    device = chunk.jobs[0].update_local.device
-    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=device)
-    recv, work = _all_to_all(send, send_splits, recv_splits, group, stats)
-    stats.seconds["gather"] += time.perf_counter() - t0
-    return _InFlight(chunk, recv, recv_splits, work, send)
+def start_gather(chunk: Chunk, steps: Sequence[ParamStep], stats: PipelineStats) -> _Flight:
+    with stats.time("gather"):
+        send = torch.empty(chunk.send_numel, dtype=chunk.wire_dtype, device=chunk.device)
+        for pack in chunk.packs:
+            slot = _piece(send, pack.offset, pack.padded, pack.mine)
+            if slot.numel():
+                _momentum_update_into(slot, steps[pack.param], pack.region)
+        if chunk.shard_group is None:
+            return _Flight(chunk, send, None)
+        recv = torch.empty(chunk.segment * chunk.shard_size, dtype=chunk.wire_dtype, device=chunk.device)
+        work = _all_to_all(recv, send, [chunk.segment] * chunk.shard_size, chunk.send_splits, chunk, stats)
+    return _Flight(chunk, recv, work, send)
 
 
-def finish_gather(flight: _InFlight, stats: PipelineStats) -> list[torch.Tensor]:
-    """Wait for the gather and assemble the full matrices this rank owns."""
-    t0 = time.perf_counter()
-    flight.work.wait()
-    chunk, group = flight.chunk, flight.chunk.group
-    mine = chunk.owned_by(group.my_index)
-    fulls = [
-        torch.empty(j.global_shape, dtype=flight.recv.dtype, device=flight.recv.device) for j in mine
-    ]
-    for src, piece in enumerate(torch.split(flight.recv, flight.recv_splits)):
-        offset = 0
-        for job, full in zip(mine, fulls):
-            numel = job.member_numels[src]
-            block = piece[offset : offset + numel].view(job.member_shapes[src])
-            full[as_indexer(job.member_indices[src])] = block
-            offset += numel
-    stats.seconds["gather"] += time.perf_counter() - t0
+def finish_gather(flight: _Flight, stats: PipelineStats) -> list[torch.Tensor]:
+    """Wait for the gather; assemble the whole matrices this rank owns (batched by shape)."""
+    with stats.time("gather"):
+        if flight.work is not None:
+            flight.work.wait()
+        chunk, recv = flight.chunk, flight.recv
+        batches = [None] * len(chunk.batches)
+        for b, members in enumerate(chunk.batches):
+            o = chunk.owned[members[0]]
+            batches[b] = recv.new_empty((len(members), *_assembled_shape(o)))
+        fulls = []
+        for k, o in enumerate(chunk.owned):
+            if o.zero_copy:
+                fulls.append(_arrived(recv, chunk, o))
+                continue
+            target = batches[o.batch][chunk.batches[o.batch].index(k)] if o.batch >= 0 else \
+                recv.new_empty(_assembled_shape(o))
+            blocks = recv.view(chunk.shard_size, chunk.segment)[:, o.offset: o.offset + math.prod(o.padded)]
+            blocks = blocks.view(chunk.shard_size, *o.padded)
+            indexer, axis = _indexer(o, o.write)
+            target[indexer] = blocks.movedim(0, axis)
+            fulls.append(target[_real(o)])
+        flight.fulls = [(b, batches[b][(slice(None), *_real(chunk.owned[m[0]]))]) for b, m in enumerate(chunk.batches)]
     return fulls
+
+
+def _arrived(recv: torch.Tensor, chunk: Chunk, o: Owned) -> torch.Tensor:
+    """A zero-copy job: its pieces already are the matrix, in order."""
+    if chunk.shard_size == 1:
+        return recv[o.offset: o.offset + math.prod(o.padded)].view(o.padded)
+    rows, cols = o.shape
+    return recv.view(chunk.shard_size * o.padded[0], cols)[:rows]
+
+
+def _assembled_shape(o: Owned) -> tuple[int, ...]:
+    lead = o.shape[:-2]
+    return (*lead, *(n + int(t) for n, t in zip(o.shape[-2:], o.trash)))
+
+
+def _real(o: Owned) -> tuple:
+    """Cut the spare slot (where padding was thrown) off an assembled matrix."""
+    return tuple(slice(0, n) for n in o.shape)
+
+
+def _indexer(o: Owned, index: tuple) -> tuple[tuple, int]:
+    """Index of the unit tensor addressing every member's padded block at once, and where
+    the member axis lands in the indexed result."""
+    lead = [slice(None)] * (len(o.shape) - 2)
+    rows, cols = index
+    if rows is not None and cols is not None:
+        return (*lead, rows[:, :, None], cols[:, None, :]), len(lead)
+    if rows is not None:
+        return (*lead, rows), len(lead)
+    return (*lead, slice(None), cols), len(lead) + 1
 
 
 # --------------------------------------------------------------------------
@@ -268,75 +244,134 @@ def finish_gather(flight: _InFlight, stats: PipelineStats) -> list[torch.Tensor]
 # --------------------------------------------------------------------------
 
 
-def orthogonalize_owned(chunk: Chunk, fulls: list[torch.Tensor], stats: PipelineStats) -> list[torch.Tensor]:
-    t0 = time.perf_counter()
-    mine = chunk.owned_by(chunk.group.my_index)
-    out = [job.orthogonalize(full).to(full.dtype) for job, full in zip(mine, fulls)]
-    stats.seconds["orthogonalize"] += time.perf_counter() - t0
+def orthogonalize_owned(flight: _Flight, fulls: list[torch.Tensor], steps: Sequence[ParamStep],
+                        stats: PipelineStats) -> list[torch.Tensor]:
+    with stats.time("orthogonalize"):
+        chunk = flight.chunk
+        out: list[torch.Tensor | None] = [None] * len(fulls)
+        for b, batch in flight.fulls:
+            members = chunk.batches[b]
+            o = chunk.owned[members[0]]
+            flat = batch.reshape(-1, *o.shape[-2:])  # experts of every member, one batch
+            result = steps[o.param].orthogonalize(flat).to(batch.dtype).view(len(members), *o.shape)
+            for i, k in enumerate(members):
+                out[k] = result[i]
+        for k, (o, full) in enumerate(zip(chunk.owned, fulls)):
+            if out[k] is None:
+                out[k] = steps[o.param].orthogonalize(full).to(full.dtype)
+        flight.fulls = []
     return out
 
 
 # --------------------------------------------------------------------------
-# Stage 3: scatter each rank's shard of the update back.
+# Stage 3: scatter each rank's piece of the update back (and across replicas).
 # --------------------------------------------------------------------------
 
 
-def start_scatter(chunk: Chunk, updates: list[torch.Tensor], stats: PipelineStats) -> _InFlight:
-    t0 = time.perf_counter()
-    group = chunk.group
-    me, n = group.my_index, len(group.ranks)
-    mine = chunk.owned_by(me)
-    send_parts, send_splits = [], []
-    for dest in range(n):
-        for job, u in zip(mine, updates):
-            send_parts.append(u[as_indexer(job.member_indices[dest])].reshape(-1))
-        send_splits.append(sum(j.member_numels[dest] for j in mine))
-    recv_splits = [sum(j.member_numels[me] for j in chunk.owned_by(src)) for src in range(n)]
-    ref = chunk.jobs[0]
-    send = torch.cat(send_parts) if send_parts else ref.update_local.new_empty(0, dtype=ref.wire_dtype)
-    recv, work = _all_to_all(send, send_splits, recv_splits, group, stats)
-    stats.seconds["scatter"] += time.perf_counter() - t0
-    return _InFlight(chunk, recv, recv_splits, work, send)
+def start_scatter(chunk: Chunk, updates: list[torch.Tensor], stats: PipelineStats) -> _Flight:
+    with stats.time("scatter"):
+        length = max(chunk.scatter_recv_numel, chunk.exchange_length)
+        send = torch.empty(chunk.segment * chunk.shard_size, dtype=chunk.wire_dtype, device=chunk.device)
+        for o, u in zip(chunk.owned, updates):
+            if o.zero_copy:
+                _arrived(send, chunk, o).copy_(u)
+                continue
+            blocks = send.view(chunk.shard_size, chunk.segment)[:, o.offset: o.offset + math.prod(o.padded)]
+            indexer, axis = _indexer(o, o.read)
+            blocks.view(chunk.shard_size, *o.padded).copy_(u[indexer].movedim(axis, 0))
+        if chunk.shard_group is None:
+            recv = send if length == send.numel() else torch.cat([send, send.new_empty(length - send.numel())])
+            return _Flight(chunk, recv, None)
+        recv = torch.empty(length, dtype=chunk.wire_dtype, device=chunk.device)
+        work = _all_to_all(recv[: chunk.scatter_recv_numel], send, chunk.scatter_recv_splits,
+                           [chunk.segment] * chunk.shard_size, chunk, stats)
+    return _Flight(chunk, recv, work, send)
+
+
+def start_exchange(flight: _Flight, stats: PipelineStats) -> _Flight:
+    """Wait for the scatter; hand the pieces of updates owned in this replica to the other replicas."""
+    with stats.time("scatter"):
+        if flight.work is not None:
+            flight.work.wait()
+    chunk = flight.chunk
+    if not chunk.exchange_length:
+        return _Flight(chunk, flight.recv, None)
+    with stats.time("exchange"):
+        out = torch.empty(chunk.exchange_length * chunk.replica_size, dtype=chunk.wire_dtype, device=chunk.device)
+        mine = flight.recv[: chunk.exchange_length]
+        stats.all_gathers += 1
+        work = _all_gather(out, mine, chunk.replica_group, async_op=True)
+    ex = _Flight(chunk, out, work, mine)
+    ex.fulls = [flight.recv]  # this replica's own pieces stay in the scatter buffer
+    return ex
+
+
+def _all_gather(out: torch.Tensor, mine: torch.Tensor, group, async_op: bool = False):
+    # all_gather_into_tensor is deprecated in favour of all_gather_single (torch >= 2.10)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, mine, group=group, async_op=async_op)
 
 
 # --------------------------------------------------------------------------
-# Stage 4: update the local shard, then QK-clip its rows.
+# Stage 4: update the local pieces, then QK-clip their rows.
 # --------------------------------------------------------------------------
 
 
-def finish_update(flight: _InFlight, stats: PipelineStats) -> None:
-    t0 = time.perf_counter()
-    flight.work.wait()
-    stats.seconds["scatter"] += time.perf_counter() - t0
-    t1 = time.perf_counter()
-    chunk, group = flight.chunk, flight.chunk.group
-    me = group.my_index
+def finish_update(flight: _Flight, steps: Sequence[ParamStep], stats: PipelineStats) -> None:
+    with stats.time("exchange"):
+        if flight.work is not None:
+            flight.work.wait()
+    chunk = flight.chunk
+    scatter = flight.fulls[0] if flight.fulls else flight.recv
     clipped = []
-    for src, piece in enumerate(torch.split(flight.recv, flight.recv_splits)):
-        offset = 0
-        for job in chunk.owned_by(src):
-            numel = job.member_numels[me]
-            update = piece[offset : offset + numel].view(job.member_shapes[me])
-            offset += numel
-            apply_update_(job.param_local, update, job.lr, job.adjusted_lr, job.weight_decay)
-            if job.qk_head_scales is not None:
-                clipped.append(job)
-    t2 = time.perf_counter()
-    stats.seconds["update"] += t2 - t1
-    for job in clipped:
-        clip_local_rows_(job, me)
-    stats.seconds["qk_clip"] += time.perf_counter() - t2
+    with stats.time("update"):
+        for u in chunk.updates:
+            buffer = scatter if u.source == "scatter" else flight.recv
+            block = _piece(buffer, u.offset, u.padded, u.mine)
+            if not block.numel():
+                continue
+            s = steps[u.param]
+            apply_update_(_region(s.param, u.region), block, s.lr, s.adjusted_lr, s.weight_decay)
+            if s.qk_row_scales is not None:
+                clipped.append(s)
+    with stats.time("qk_clip"):
+        for s in clipped:
+            _clip_rows_(s)
 
 
-def clip_local_rows_(job: ShardedMatrixJob, member: int) -> None:
-    """Scale each local row of a q/k weight by its global head's factor.
+def _clip_rows_(s: ParamStep) -> None:
+    """Scale each local row by its head's QK-clip factor (precomputed per local row)."""
+    s.param.mul_(s.qk_row_scales.to(s.param.dtype).view(-1, *([1] * (s.param.dim() - 1))))
 
-    The row indices come from the placement index math, so this is right both
-    for contiguous rows (a slice) and for rows interleaved across heads
-    (``_StridedShard``: a LongTensor of global rows).
-    """
-    rows = job.member_indices[member][0]
-    scale_rows_by_head_(job.param_local, rows, job.qk_head_dim, job.qk_head_scales)
+
+# --------------------------------------------------------------------------
+# Units that need no communication.
+# --------------------------------------------------------------------------
+
+
+def run_local(plan: StepPlan, steps: Sequence[ParamStep], stats: PipelineStats) -> None:
+    """Orthogonalise the units a rank holds whole (plain tensors, replicated or expert-sharded
+    DTensors not split over replicas), same-shape ones in one batched call."""
+    groups: dict[tuple, list] = {}
+    for job in plan.local:
+        key = (id(steps[job.param].orthogonalize), job.shape, steps[job.param].buf.dtype)
+        groups.setdefault(key, []).append(job)
+    for jobs in groups.values():
+        with stats.time("orthogonalize"):
+            s0 = steps[jobs[0].param]
+            stacked = s0.buf.new_empty((len(jobs), *jobs[0].shape))
+            for i, job in enumerate(jobs):
+                _momentum_update_into(stacked[i], steps[job.param], job.region)
+            flat = stacked.view(-1, *jobs[0].shape[-2:])
+            result = s0.orthogonalize(flat).view(len(jobs), *jobs[0].shape)
+        with stats.time("update"):
+            for i, job in enumerate(jobs):
+                s = steps[job.param]
+                apply_update_(_region(s.param, job.region), result[i], s.lr, s.adjusted_lr, s.weight_decay)
+        with stats.time("qk_clip"):
+            for job in jobs:
+                if steps[job.param].qk_row_scales is not None:
+                    _clip_rows_(steps[job.param])
 
 
 # --------------------------------------------------------------------------
@@ -344,71 +379,83 @@ def clip_local_rows_(job: ShardedMatrixJob, member: int) -> None:
 # --------------------------------------------------------------------------
 
 
-def run_parallel_muon(
-    jobs: Sequence[ShardedMatrixJob],
-    *,
-    chunk_size: int | None = None,
-    lookahead: int = 1,
-    stats: PipelineStats | None = None,
-) -> PipelineStats:
+def run_parallel_muon(plan: StepPlan, steps: Sequence[ParamStep], *, lookahead: int = 1,
+                      stats: PipelineStats | None = None) -> PipelineStats:
     """Run the four stages over all chunks, overlapping communication with compute."""
     stats = stats if stats is not None else PipelineStats()
-    chunks = plan_chunks(jobs, chunk_size)
-    stats.chunks += len(chunks)
-    stats.matrices += sum(len(c.jobs) for c in chunks)
-    gathers: deque[_InFlight] = deque()
+    chunks = plan.chunks
+    gathers: deque[_Flight] = deque()
     launched = 0
-    pending_scatter: _InFlight | None = None
+    scattering: _Flight | None = None
+    exchanging: _Flight | None = None
     for i, chunk in enumerate(chunks):
         # keep `lookahead` gathers in flight beyond the chunk being computed
         while launched < len(chunks) and launched <= i + lookahead:
-            gathers.append(start_gather(chunks[launched], stats))
+            gathers.append(start_gather(chunks[launched], steps, stats))
             launched += 1
-        fulls = finish_gather(gathers.popleft(), stats)  # 1. gather
-        updates = orthogonalize_owned(chunk, fulls, stats)  # 2. orthogonalize
+        if i == 0:
+            run_local(plan, steps, stats)  # while the first gathers travel
+        flight = gathers.popleft()
+        fulls = finish_gather(flight, stats)  # 1. gather
+        updates = orthogonalize_owned(flight, fulls, steps, stats)  # 2. orthogonalize
         del fulls
-        scatter = start_scatter(chunk, updates, stats)  # 3. scatter (async)
+        scattered = start_scatter(chunk, updates, stats)  # 3. scatter (async)
         del updates
-        if pending_scatter is not None:
-            finish_update(pending_scatter, stats)  # 4. update (previous chunk)
-        pending_scatter = scatter
-    if pending_scatter is not None:
-        finish_update(pending_scatter, stats)
+        if scattering is not None:
+            exchanged = start_exchange(scattering, stats)  # 3b. replicas (async)
+            if exchanging is not None:
+                finish_update(exchanging, steps, stats)  # 4. update
+            exchanging = exchanged
+        scattering = scattered
+    if not chunks:
+        run_local(plan, steps, stats)
+    if scattering is not None:
+        exchanged = start_exchange(scattering, stats)
+        if exchanging is not None:
+            finish_update(exchanging, steps, stats)
+        exchanging = exchanged
+    if exchanging is not None:
+        finish_update(exchanging, steps, stats)
+    stats.chunks += len(chunks)
+    stats.matrices += plan.jobs + len(plan.local)
+    stats.owned += plan.owned + len(plan.local)
+    stats.bytes_sent += plan.bytes_sent
+    stats.bytes_received += plan.bytes_received
     return stats
 
 
-def gather_everything(
-    jobs: Sequence[ShardedMatrixJob],
-    stats: PipelineStats | None = None,
-) -> PipelineStats:
-    """Baseline: every rank gathers every matrix, orthogonalises it, keeps its shard."""
-    from torch.distributed.tensor import DTensor
+# --------------------------------------------------------------------------
+# The baseline: every rank gathers every matrix.
+# --------------------------------------------------------------------------
 
+
+def gather_everything(plan: StepPlan, steps: Sequence[ParamStep], stats: PipelineStats | None = None) -> PipelineStats:
+    """Every rank all-gathers every sharded matrix (padded pieces, one all_gather each),
+    assembles it with the placement index math, orthogonalises it and keeps its piece."""
     stats = stats if stats is not None else PipelineStats()
-    for job in jobs:
-        t0 = time.perf_counter()
-        stride = torch.empty(job.global_shape, device="meta").stride()
-        full = DTensor.from_local(
-            job.update_local.to(job.wire_dtype),
-            job.mesh,
-            job.placements,
-            run_check=False,
-            shape=job.global_shape,
-            stride=stride,
-        ).full_tensor()
-        t1 = time.perf_counter()
-        update = job.orthogonalize(full).to(full.dtype)
-        t2 = time.perf_counter()
-        me = job.shard_group.my_index
-        local_update = update[as_indexer(job.member_indices[me])]
-        apply_update_(job.param_local, local_update, job.lr, job.adjusted_lr, job.weight_decay)
-        t3 = time.perf_counter()
-        if job.qk_head_scales is not None:
-            clip_local_rows_(job, me)
-        t4 = time.perf_counter()
-        numel = math.prod(job.global_shape)
-        stats.bytes_received += (numel - job.member_numels[me]) * full.element_size()
-        stats.bytes_sent += job.member_numels[me] * full.element_size() * (len(job.shard_group.ranks) - 1)
-        for k, dt in zip(("gather", "orthogonalize", "update", "qk_clip"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            stats.seconds[k] += dt
+    run_local(plan, steps, stats)
+    for g in plan.gather_all:
+        s = steps[g.param]
+        with stats.time("gather"):
+            mine = torch.zeros(math.prod(g.owned.padded), dtype=g.wire_dtype, device=s.param.device)
+            _momentum_update_into(_piece(mine, 0, g.owned.padded, g.mine), s, ())
+            out = mine.new_empty(mine.numel() * g.size)
+            _all_gather(out, mine, g.group)
+            stats.all_gathers += 1
+            full = out.new_empty(_assembled_shape(g.owned))
+            indexer, axis = _indexer(g.owned, g.owned.write)
+            full[indexer] = out.view(g.size, *g.owned.padded).movedim(0, axis)
+            full = full[_real(g.owned)]
+        with stats.time("orthogonalize"):
+            update = s.orthogonalize(full).to(full.dtype)
+        with stats.time("update"):
+            block = update[g.my_index]
+            apply_update_(s.param, block, s.lr, s.adjusted_lr, s.weight_decay)
+        with stats.time("qk_clip"):
+            if s.qk_row_scales is not None:
+                _clip_rows_(s)
+        item = out.element_size()
+        stats.bytes_sent += mine.numel() * item * (g.size - 1)
+        stats.bytes_received += mine.numel() * item * (g.size - 1)
+    stats.matrices += len(plan.gather_all) + len(plan.local)
     return stats

@@ -22,6 +22,7 @@ GROUPS_HELP = (
 )
 ADJUST_LR_MODES = ("match_rms_adamw", "original", "none", None)
 DISTRIBUTED_MODES = ("parallel", "gather")
+REPLICA_SPLIT_MODES = ("auto", "always", "never")
 
 
 def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
@@ -35,7 +36,8 @@ def check_number(name: str, value: Any, *, low: float | None = None, high: float
 
 
 def check_optimizer_options(*, eps, compute_dtype, qk_clip, qk_clip_type, distributed_mode, chunk_size,
-                            lookahead) -> None:
+                            lookahead, replica_split="auto", replica_split_flops_per_byte=None,
+                            skip_nonfinite=False) -> None:
     """The optimizer-wide (not per-group) options of ``Muon.__init__``."""
     check_number("eps", eps, low=0.0, low_open=True)
     if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
@@ -48,6 +50,14 @@ def check_optimizer_options(*, eps, compute_dtype, qk_clip, qk_clip_type, distri
         raise ValueError(f"Muon: `chunk_size` must be a positive int or None, got {chunk_size!r}")
     if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
         raise ValueError(f"Muon: `lookahead` must be an int >= 0, got {lookahead!r}")
+    if replica_split not in REPLICA_SPLIT_MODES:
+        raise ValueError(
+            f"Muon: `replica_split` must be one of {REPLICA_SPLIT_MODES}, got {replica_split!r}"
+        )
+    if replica_split_flops_per_byte is not None:
+        check_number("replica_split_flops_per_byte", replica_split_flops_per_byte, low=0.0)
+    if not isinstance(skip_nonfinite, bool):
+        raise ValueError(f"Muon: `skip_nonfinite` must be True or False, got {skip_nonfinite!r}")
 
 
 def check_group_options(group: dict, where: str) -> None:
@@ -89,10 +99,8 @@ def check_group_params(group: dict, names: list[str]) -> None:
             )
 
 
-def gradient_problem(name: str, param: torch.Tensor, grad: torch.Tensor | None, use_muon: bool) -> str | None:
-    """Why this parameter (or its gradient) cannot be stepped, or None."""
-    if grad is not None and grad.is_sparse:
-        return f"Muon: parameter '{name}' has a sparse gradient; Muon does not support sparse gradients"
+def param_problem(name: str, param: torch.Tensor) -> str | None:
+    """Why this parameter cannot be stepped on this rank, whatever its gradient, or None."""
     if not is_dtensor(param):
         return None
     if param.device_mesh.get_coordinate() is None:
@@ -108,19 +116,29 @@ def gradient_problem(name: str, param: torch.Tensor, grad: torch.Tensor | None, 
             f"Muon: parameter '{name}' has a Partial placement {param.placements}; reduce it "
             "(redistribute to Shard or Replicate) before the optimizer step."
         )
-    if not use_muon or grad is None:
+    return None
+
+
+def gradient_problem(name: str, param: torch.Tensor, grad: torch.Tensor | None, use_muon: bool) -> str | None:
+    """Why this parameter's gradient cannot be stepped, or None (checked every step: gradients change)."""
+    if grad is None:
+        return None
+    if grad.is_sparse:
+        return f"Muon: parameter '{name}' has a sparse gradient; Muon does not support sparse gradients"
+    if not use_muon or not is_dtensor(param):
         return None
     if not is_dtensor(grad):
         return (
             f"Muon: parameter '{name}' is a DTensor but its gradient is a {type(grad).__name__}; "
             "gradients of DTensor parameters must be DTensors on the same mesh."
         )
-    if any(pl.is_partial() for pl in grad.placements):
-        return (
-            f"Muon: the gradient of '{name}' has a Partial placement {grad.placements}; reduce it "
-            "(redistribute to the parameter's placements) before the optimizer step."
-        )
-    if tuple(grad.placements) != tuple(param.placements) or grad.device_mesh != param.device_mesh:
+    same_mesh = grad.device_mesh is param.device_mesh or grad.device_mesh == param.device_mesh
+    if grad.placements != param.placements or not same_mesh:
+        if any(pl.is_partial() for pl in grad.placements):
+            return (
+                f"Muon: the gradient of '{name}' has a Partial placement {grad.placements}; reduce it "
+                "(redistribute to the parameter's placements) before the optimizer step."
+            )
         return (
             f"Muon: the gradient of '{name}' has placements {grad.placements} but the parameter has "
             f"{param.placements}; redistribute the gradient to the parameter's placements first."

@@ -56,7 +56,6 @@ __all__ = [
     "ShardGroup",
     "as_indexer",
     "block_shape",
-    "cached_group",
     "construct_shard_mesh",
     "dtensor_local_indices",
     "get_slices_of_dtensor",
@@ -279,10 +278,12 @@ def as_indexer(indices: Sequence[Index]) -> tuple:
     if sum(not isinstance(i, slice) for i in indices) <= 1:
         return indices
     ndim = len(indices)
+    device = next(i.device for i in indices if not isinstance(i, slice))
     out = []
     for d, i in enumerate(indices):
         if isinstance(i, slice):
-            i = torch.arange(i.start, i.stop, dtype=torch.long)
+            start, stop, _ = i.indices(1 << 62)
+            i = torch.arange(start, stop, dtype=torch.long, device=device)
         shape = [1] * ndim
         shape[d] = -1
         out.append(i.reshape(shape))
@@ -319,30 +320,11 @@ class ShardGroup:
         return local_indices(global_shape, self.mesh_shape, self.placements, self.coordinates[member])
 
 
-# ranks (sorted) -> group; created once per process.  `_CACHE_WORLD` drops the
-# cache if the default process group was destroyed and re-created.
-_GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
-_CACHE_WORLD: list = [None]
-
-
 def num_cached_groups() -> int:
-    """How many process groups this package has created (shard and agreement groups; tests use it)."""
-    return len(_GROUP_CACHE)
+    """How many process groups this package has created (see ``groups.py``; tests use it)."""
+    from .groups import num_created_groups
 
-
-def cached_group(ranks: Sequence[int]) -> dist.ProcessGroup:
-    """The process group of ``ranks``, created on first use and then reused.
-
-    Only members take part in creating it; every member reaches this call at
-    the same point because all ranks walk parameters in one order.
-    """
-    if _CACHE_WORLD[0] is not dist.group.WORLD:
-        _GROUP_CACHE.clear()
-        _CACHE_WORLD[0] = dist.group.WORLD
-    key = tuple(sorted(ranks))
-    if key not in _GROUP_CACHE:
-        _GROUP_CACHE[key] = dist.new_group(list(key), use_local_synchronization=True)
-    return _GROUP_CACHE[key]
+    return num_created_groups()
 
 
 def member_coordinates(
@@ -368,7 +350,9 @@ def construct_shard_mesh(placements: Sequence[Placement], mesh) -> ShardGroup:
 
     Replicate mesh dims are dropped: members differ only in the sharding dims, and
     together hold one full copy.  One sharding dim reuses ``mesh.get_group(dim)``;
-    several get a group created once per distinct rank set and cached.
+    several get a group created once per distinct rank set and cached.  That
+    creation is collective over the default group (every rank calls this with the
+    same placements and mesh, as with ``init_device_mesh``).
     """
     placements = tuple(placements)
     if len(placements) != mesh.ndim:
@@ -391,7 +375,13 @@ def construct_shard_mesh(placements: Sequence[Placement], mesh) -> ShardGroup:
         if len(shard_mesh_dims) == 1:
             group = mesh.get_group(shard_mesh_dims[0])
         else:
-            group = cached_group(list(members))
+            from .groups import create_collectively, group_for
+            from .layout import MeshGrid
+
+            grid = MeshGrid.of(mesh)
+            create_collectively([tuple(sorted(s)) for s in grid.partition(shard_mesh_dims)
+                                 if 1 < len(s) < dist.get_world_size()])
+            group = group_for(list(members))
         ranks = tuple(dist.get_process_group_ranks(group))
         if sorted(ranks) != sorted(members):
             raise RuntimeError(
