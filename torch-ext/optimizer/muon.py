@@ -526,8 +526,17 @@ def _grid(p) -> MeshGrid:
     return hit[1]
 
 
+_LAYOUTS: dict[tuple, ParamLayout] = {}
+
+
 def _layout(p) -> ParamLayout:
-    return ParamLayout(tuple(p.shape), _grid(p), tuple(p.placements))
+    # One object per distinct layout: the plan caches index math by it, and models
+    # repeat a few shapes many times.
+    key = (id(p.device_mesh), tuple(p.shape), tuple(p.placements))
+    hit = _LAYOUTS.get(key)
+    if hit is None or hit.grid is not _grid(p):
+        hit = _LAYOUTS[key] = ParamLayout(tuple(p.shape), _grid(p), tuple(p.placements))
+    return hit
 
 
 class _StepView:

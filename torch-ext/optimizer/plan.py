@@ -441,17 +441,19 @@ class _RankView:
         self.replica_group = (resolve_group(replica_ranks, first.mesh, layout.replica_dims)
                               if split and len(replica_ranks) > 1 else None)
         self.layout = layout
-        self._members_cache: dict[int, list] = {}
+        self._members_cache: dict[int, tuple] = {}  # id(layout) -> (layout, indices per member)
+        self._padded_cache: dict[tuple, tuple[int, ...]] = {}
 
     # -- per-parameter facts -------------------------------------------------
 
     def members(self, i: int) -> list[tuple[Index, ...]]:
-        """Global indices held by each member of this rank's shard group, for param ``i``."""
-        hit = self._members_cache.get(i)
+        """Global indices held by each member of this rank's shard group, for param ``i``
+        (shared by every parameter of the same layout: models repeat a few shapes)."""
+        lay = self.params[i].layout
+        hit = self._members_cache.get(id(lay))
         if hit is None:
-            lay = self.params[i].layout
-            hit = self._members_cache[i] = [lay.indices(lay.grid.coordinate(r)) for r in self.shard]
-        return hit
+            hit = self._members_cache[id(lay)] = (lay, [lay.indices(lay.grid.coordinate(r)) for r in self.shard])
+        return hit[1]
 
     def holds(self, job: _Job) -> bool:
         lay = self.params[job.param].layout
@@ -459,9 +461,14 @@ class _RankView:
             job.replica is None or lay.replica_coordinate(self.coord) == job.replica)
 
     def padded(self, job: _Job) -> tuple[int, ...]:
-        lead = job.shape[:-2]
-        dims = [max(_length(ix[d]) for ix in self.members(job.param)) for d in (-2, -1)]
-        return (*lead, *dims)
+        lay = self.params[job.param].layout
+        key = (id(lay), job.shape)
+        hit = self._padded_cache.get(key)
+        if hit is None:
+            members = self.members(job.param)
+            dims = [max(_length(ix[d]) for ix in members) for d in (-2, -1)]
+            hit = self._padded_cache[key] = (*job.shape[:-2], *dims)
+        return hit
 
     def mine(self, job: _Job, member: int | None = None) -> tuple[int, ...]:
         ix = self.members(job.param)[self.member if member is None else member]

@@ -71,8 +71,19 @@ class MeshGrid:
             out.append(self.varying(dims, dict(zip(fixed, outer))))
         return out
 
+    @cached_property
+    def _varying_cache(self) -> dict:
+        return {}
+
     def varying(self, dims: Sequence[int], fixed: dict[int, int]) -> tuple[int, ...]:
         """Ranks with the given coordinates on ``fixed`` dims, all values of ``dims`` (mesh order)."""
+        key = (tuple(dims), tuple(sorted(fixed.items())))
+        hit = self._varying_cache.get(key)
+        if hit is None:
+            hit = self._varying_cache[key] = self._varying(dims, fixed)
+        return hit
+
+    def _varying(self, dims: Sequence[int], fixed: dict[int, int]) -> tuple[int, ...]:
         coord = [0] * len(self.shape)
         for d, c in fixed.items():
             coord[d] = c
