@@ -131,6 +131,12 @@ def test_flex_max_scores_reduction_cpu_math():
         max_logits_from_flex(torch.zeros(2, 3))
 
 
+def test_flex_wrapper_refuses_its_own_aux_arguments():
+    q, k = qk()
+    with pytest.raises(TypeError, match="max_logits_from_flex"):
+        flex_attention_with_max_logits(q, k, k, return_aux=None)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention max_scores need CUDA in torch 2.13")
 def test_flex_attention_with_max_logits_cuda():
     from torch.nn.attention.flex_attention import create_block_mask

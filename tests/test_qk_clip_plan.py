@@ -141,7 +141,10 @@ def test_nothing_recognised_is_refused_unless_allowed():
     params = [(f"param_groups[0]['params'][{i}]", (32, 16), True, 0) for i in range(3)]
     msg = build_err(QKClipConfig(head_dim=8, threshold=T), params)
     assert "no parameter was recognised" in msg and "param_names" in msg
-    assert build_qk_clip_plan(QKClipConfig(head_dim=8, threshold=T), params, allow_empty=True).layers == {}
+    empty = build_qk_clip_plan(QKClipConfig(head_dim=8, threshold=T), params, allow_empty=True)
+    assert empty.layers == {} and empty.weights == {}
+    step = compute_clip_step(empty, {}, "cpu")
+    assert step.table.tolist() == [1.0] and not bool(step.nonfinite) and step.report.clipped_heads == {}
 
 
 def test_fused_weight_without_layout_or_mixed_with_separate():
@@ -270,6 +273,10 @@ def test_gamma_never_nan_or_inf_and_flag():
     assert bool(step.nonfinite) and bool(torch.isfinite(step.table).all())
     ok = compute_clip_step(plan, {0: torch.tensor([float("-inf"), -1.0, 0.0, 1, 2, 3, 4, 500])}, "cpu")
     assert not bool(ok.nonfinite)
+    only_inf = compute_clip_step(plan, {0: torch.tensor([1.0, 2, 3, 4, 5, 6, 7, float("inf")])}, "cpu")
+    assert bool(only_inf.nonfinite) and bool((only_inf.table > 0).all())
+    only_nan = compute_clip_step(plan, {0: torch.tensor([1.0, 2, 3, 4, 5, 6, 7, float("nan")])}, "cpu")
+    assert bool(only_nan.nonfinite) and bool(torch.isfinite(only_nan.table).all())
     assert "qk_logits[0]" in describe_nonfinite({0: logits, 1: torch.zeros(2)})
 
 

@@ -128,15 +128,19 @@ def flex_attention_with_max_logits(query: Tensor, key: Tensor, value: Tensor, *,
     """``flex_attention(query, key, value, **kwargs)`` plus the per-head max logits: ``(out, [H])``.
 
     Pass your compiled ``flex_attention`` as ``flex_attention=`` (default: the eager one).  Needs a
-    device where flex_attention returns ``max_scores`` (CUDA in torch 2.13).
+    device where flex_attention returns ``max_scores`` (CUDA in torch 2.13).  To also get the
+    log-sum-exp, call flex_attention with ``return_aux=AuxRequest(lse=True, max_scores=True)``
+    yourself and pass the AuxOutput to :func:`max_logits_from_flex`.
     """
     from torch.nn.attention.flex_attention import AuxRequest
     from torch.nn.attention.flex_attention import flex_attention as eager_flex
 
+    if "return_aux" in kwargs or "return_lse" in kwargs:
+        raise TypeError("flex_attention_with_max_logits requests the aux outputs itself; for the lse too, call "
+                        "flex_attention(..., return_aux=AuxRequest(lse=True, max_scores=True)) and "
+                        "max_logits_from_flex(aux)")
     fn = flex_attention or eager_flex
-    request = kwargs.pop("return_aux", None)
-    lse = bool(request is not None and request.lse)
-    out, aux = fn(query, key, value, return_aux=AuxRequest(lse=lse, max_scores=True), **kwargs)
+    out, aux = fn(query, key, value, return_aux=AuxRequest(max_scores=True), **kwargs)
     return out, max_logits_from_flex(aux)
 
 

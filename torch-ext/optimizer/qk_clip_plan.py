@@ -483,7 +483,8 @@ def compute_clip_step(
     Call :func:`check_step_logits` first.
     """
     kv_of_q, layer_of_q = plan.device_tensors(device)
-    flat = torch.cat([qk_logits[layer].detach().reshape(-1).float() for layer in plan.layers])
+    flat = torch.cat([qk_logits[layer].detach().reshape(-1).float() for layer in plan.layers]
+                     or [torch.zeros(0, device=device)])
     g = gamma(flat, plan.threshold)
     g_kv = torch.ones(plan.total_kv, device=flat.device).scatter_reduce_(0, kv_of_q, g, "amin")
     table = torch.cat([g.sqrt(), g, g_kv.sqrt(), torch.ones(1, device=flat.device)])
