@@ -121,7 +121,7 @@ def test_query_without_recognised_key_is_refused():
 
 
 def test_key_in_adamw_group_is_refused():
-    params = [("layers.0.attn.q_proj.weight", (32, 16), True, 0), ("layers.0.attn.k_proj.weight", (16, 16), False, 1)]
+    params = [QKParam("layers.0.attn.q_proj.weight", (32, 16), True, 0), QKParam("layers.0.attn.k_proj.weight", (16, 16), False, 1)]
     msg = build_err(QKClipConfig(head_dim=8, threshold=T), params)
     assert "'layers.0.attn.k_proj.weight' is layer 0's key weight but sits in an AdamW group (param_groups[1]" in msg
 

@@ -42,7 +42,6 @@ class Part(IntEnum):
     LATENT = 7  #: MLA compressed key/value (first rows of ``wkv_a``), no head
 
 
-QUERY_PARTS = (Part.Q, Part.Q_NOPE, Part.Q_PE)
 KEY_PARTS = (Part.K, Part.K_NOPE)
 
 
@@ -74,9 +73,6 @@ class RowLayout:
         if head is not None:
             keep &= self.head == head
         return keep.nonzero().flatten()
-
-    def parts_present(self) -> tuple[Part, ...]:
-        return tuple(Part(int(p)) for p in torch.unique(self.part).tolist())
 
 
 def _layout(parts: list[tuple[Part, Tensor]], n_q: int, n_kv: int) -> RowLayout:
@@ -184,11 +180,6 @@ class FusedQKV:
         head = torch.where(slot < g, group * g + slot, group)
         return RowLayout(part=part.reshape(-1).long(), head=head.reshape(-1).long(), n_q_heads=n_q, n_kv_heads=n_kv)
 
-    def record(self) -> dict:
-        """Plain values for a checkpoint (see :func:`from_record`)."""
-        return {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim,
-                "layout": self.layout}
-
 
 # --------------------------------------------------------------------------- MLA
 
@@ -247,7 +238,3 @@ class MLAHeads:
              (Part.K_PE_SHARED, torch.full((self.qk_rope_head_dim,), -1))],
             n_heads, n_heads,
         )
-
-    def record(self) -> dict:
-        return {"qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
-                "v_head_dim": self.v_head_dim}
