@@ -4,10 +4,24 @@
     opt = Muon(get_default_muon_param_groups(model), lr=2e-2, weight_decay=0.1)
 """
 
+from .attention_layouts import FusedQKV, MLAHeads
+from .max_logits import eager_max_logits, gather_max_logits
 from .muon import Muon
 from .newton_schulz import zeropower_via_newtonschulz
 from .param_groups import get_default_muon_param_groups
 from .qk_clip import QKClipConfig
+from .row_blocks import HeadBlocks, SplitQKV
 
-__all__ = ["Muon", "QKClipConfig", "get_default_muon_param_groups", "zeropower_via_newtonschulz"]
+__all__ = [
+    "FusedQKV",
+    "HeadBlocks",
+    "MLAHeads",
+    "Muon",
+    "QKClipConfig",
+    "SplitQKV",
+    "eager_max_logits",
+    "gather_max_logits",
+    "get_default_muon_param_groups",
+    "zeropower_via_newtonschulz",
+]
 __version__ = "0.1.0"

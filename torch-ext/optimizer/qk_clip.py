@@ -1,15 +1,16 @@
-"""QK-clip (MuonClip, Kimi K2): cap attention logits by shrinking the q and k projections.
+"""QK-clip (MuonClip, Kimi K2): cap attention logits by shrinking the query and key projections.
 
-After an optimizer step, for every attention head whose largest pre-softmax logit ``q.k`` in the
-last forward pass exceeded ``threshold``, the head's rows of ``W_q`` and ``W_k`` are multiplied by
-``sqrt(threshold / max_logit)``; the logit, bilinear in both, then shrinks by the full factor.
-With grouped-query attention a key head serves several query heads, so it takes the strongest
-clip (the minimum scale) of its group.
+After an optimizer step, for every attention head whose largest pre-softmax logit in the last
+forward pass exceeded ``threshold``, the rows of the weights that produce the head's query and
+key are scaled so that the logit shrinks by ``gamma = threshold / max_logit``: ``sqrt(gamma)``
+on each side for ordinary heads.  With grouped-query attention a key head serves several query
+heads and takes the strongest clip of its group.  MLA (DeepSeek-V3, Kimi K2) and fused QKV
+weights are described in ``attention_layouts.py``; the per-row rule and the per-step math are in
+``qk_clip_plan.py``.
 
-The model reports the per-head maxima (``step(qk_logits={layer_idx: tensor[num_q_heads]})``),
-this module maps parameter names to layers and scales rows. Rows are addressed by their
-*global* index so the same function serves a full matrix, a contiguous shard (``slice``) and the
-interleaved rows a rank holds under ``_StridedShard`` (a LongTensor).
+This module holds the user-facing pieces: :class:`QKClipConfig`, name classification, the report,
+and the original per-head helpers (``head_scales``, ``scale_rows_by_head_``, ``plan_qk_clip``),
+kept for callers of the separate-q/k path.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .attention_layouts import FUSED_QKV_LAYOUTS, FusedQKV, MLAHeads
 
 try:
     from torch.distributed.tensor import DTensor
@@ -29,32 +32,86 @@ except Exception:  # pragma: no cover - distributed not built
 
 logger = logging.getLogger("optimizer.qk_clip")
 
-QKRole = tuple[int, str]  # (layer_idx, "q" | "k")
+LayerKey = int | str
+QKRole = tuple[LayerKey, str]  # (layer key, "q" | "k" | "qkv")
+ROLES = ("q", "k", "qkv")
+
+_SEPARATE_Q = ("q_proj", "wq")
+_SEPARATE_K = ("k_proj", "wk")
+_MLA_Q = ("wq", "wq_b")
+_MLA_K = ("wkv_b",)
+
+
+def layer_sort_key(layer: LayerKey) -> tuple:
+    """Deterministic order of layer keys that may mix ints and strings (ints first)."""
+    return (0, layer, "") if isinstance(layer, int) else (1, 0, str(layer))
 
 
 @dataclass
 class QKClipConfig:
-    """Which parameters are q/k projections and how hard to clip.
+    """Which parameters are attention query/key projections, their layout, and the threshold.
+
+    Three kinds of attention, one per config:
+
+    * separate query and key weights (MHA / GQA): ``head_dim`` (rows per head);
+      weights matched by ``q_patterns`` / ``k_patterns`` (default ``q_proj``/``wq``,
+      ``k_proj``/``wk``).  Both get ``sqrt(gamma)`` per head.
+    * fused ``wqkv`` weights: ``fused_qkv=FusedQKV(n_heads, n_kv_heads, head_dim, layout)``,
+      matched by ``qkv_patterns`` (default ``wqkv``, ``qkv_proj``, ``query_key_value``); may be
+      combined with separate weights in other layers.  Value rows are untouched.
+    * MLA: ``mla=MLAHeads(qk_nope_head_dim, qk_rope_head_dim, v_head_dim)``; the query weight is
+      ``wq`` or ``wq_b`` and the key weight ``wkv_b`` (torchtitan deepseek_v3 names, the defaults
+      in this mode).  q_nope and k_nope rows get ``sqrt(gamma)``, q_pe rows ``gamma``, value rows
+      and ``wkv_a`` (the shared rotary key) are untouched (Kimi K2's MuonClip).
 
     Args:
-        head_dim: rows per attention head in the q and k weights ([num_heads * head_dim, hidden]).
-            Head counts are derived from the shapes: ``rows // head_dim``.
-        threshold: largest allowed attention logit (Kimi K2 uses 100).
-        q_patterns / k_patterns: dotted name components that mark a query / key weight, e.g.
-            ``"q_proj"`` matches ``model.layers.3.self_attn.q_proj.weight``.
-        classify: optional ``name -> (layer_idx, "q" | "k") | None`` replacing the name rules
-            (for fused qkv layouts or unusual names).
+        head_dim: rows per head of separate q/k weights (defaults to ``fused_qkv.head_dim``;
+            must be None with ``mla``).
+        threshold: largest allowed attention logit (Kimi K2 uses 100), in the units of the
+            logits passed to ``step(qk_logits=...)`` (normally including the softmax scale).
+        q_patterns / k_patterns / qkv_patterns: dotted name components that mark a query / key /
+            fused weight, e.g. ``"q_proj"`` matches ``model.layers.3.self_attn.q_proj.weight``.
+            The layer key is the name's first integer component.
+        classify: optional ``name -> (layer, "q" | "k" | "qkv") | None`` replacing the name rules;
+            the layer may be an int or a str (e.g. ``"encoder.3"`` and ``"decoder.3"`` for two
+            towers), and ``qk_logits`` is keyed the same way.
+        fused_qkv: the layout of fused weights (:class:`~optimizer.attention_layouts.FusedQKV`).
+        mla: MLA head sizes (:class:`~optimizer.attention_layouts.MLAHeads`).
     """
 
-    head_dim: int
-    threshold: float
-    q_patterns: tuple[str, ...] = ("q_proj", "wq")
-    k_patterns: tuple[str, ...] = ("k_proj", "wk")
+    head_dim: int | None = None
+    threshold: float | None = None
+    q_patterns: tuple[str, ...] | None = None
+    k_patterns: tuple[str, ...] | None = None
     classify: Callable[[str], QKRole | None] | None = None
+    qkv_patterns: tuple[str, ...] = ("wqkv", "qkv_proj", "query_key_value")
+    fused_qkv: FusedQKV | None = None
+    mla: MLAHeads | None = None
 
     def __post_init__(self):
-        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0:
-            raise ValueError(f"QKClipConfig.head_dim must be a positive int, got {self.head_dim!r}")
+        if self.fused_qkv is not None and not isinstance(self.fused_qkv, FusedQKV):
+            raise ValueError(
+                f"QKClipConfig.fused_qkv must be an optimizer.attention_layouts.FusedQKV, got {self.fused_qkv!r}"
+            )
+        if self.mla is not None and not isinstance(self.mla, MLAHeads):
+            raise ValueError(f"QKClipConfig.mla must be an optimizer.attention_layouts.MLAHeads, got {self.mla!r}")
+        if self.mla is not None:
+            if self.head_dim is not None or self.fused_qkv is not None:
+                raise ValueError(
+                    "QKClipConfig: with mla=MLAHeads(...) the head sizes come from mla; leave head_dim and "
+                    "fused_qkv unset (MLA models have no separate-head or fused qkv weights)"
+                )
+        elif self.head_dim is None and self.fused_qkv is not None:
+            self.head_dim = self.fused_qkv.head_dim
+        if self.mla is None and (
+            isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0
+        ):
+            raise ValueError(
+                f"QKClipConfig.head_dim must be a positive int (rows per attention head), got {self.head_dim!r}; "
+                "for MLA attention pass mla=MLAHeads(...) instead"
+            )
+        if self.threshold is None:
+            raise ValueError("QKClipConfig.threshold is required: the largest allowed attention logit (e.g. 100)")
         try:
             threshold = float(self.threshold)
         except (TypeError, ValueError):
@@ -64,17 +121,22 @@ class QKClipConfig:
         if not (math.isfinite(threshold) and threshold > 0):
             raise ValueError(f"QKClipConfig.threshold must be positive and finite, got {self.threshold!r}")
         self.threshold = threshold
-        self.q_patterns = _as_patterns(self.q_patterns, "q_patterns")
-        self.k_patterns = _as_patterns(self.k_patterns, "k_patterns")
-        both = set(self.q_patterns) & set(self.k_patterns)
-        if both:
-            raise ValueError(
-                f"QKClipConfig: {sorted(both)} appear in both q_patterns and k_patterns; "
-                "a weight must be either a query or a key projection"
-            )
+        mla = self.mla is not None
+        self.q_patterns = _as_patterns(
+            self.q_patterns if self.q_patterns is not None else (_MLA_Q if mla else _SEPARATE_Q), "q_patterns")
+        self.k_patterns = _as_patterns(
+            self.k_patterns if self.k_patterns is not None else (_MLA_K if mla else _SEPARATE_K), "k_patterns")
+        self.qkv_patterns = _as_patterns(self.qkv_patterns, "qkv_patterns")
+        for a, b in (("q_patterns", "k_patterns"), ("q_patterns", "qkv_patterns"), ("k_patterns", "qkv_patterns")):
+            both = set(getattr(self, a)) & set(getattr(self, b))
+            if both:
+                raise ValueError(
+                    f"QKClipConfig: {sorted(both)} appear in both {a} and {b}; "
+                    "a weight must be one of a query, a key or a fused qkv projection"
+                )
         if self.classify is not None and not callable(self.classify):
             raise ValueError(
-                f"QKClipConfig.classify must be a callable name -> (layer_idx, 'q'|'k') | None, "
+                f"QKClipConfig.classify must be a callable name -> (layer, 'q'|'k'|'qkv') | None, "
                 f"got {self.classify!r}"
             )
 
@@ -94,11 +156,60 @@ def _as_patterns(value, what: str) -> tuple[str, ...]:
     return patterns
 
 
-def classify_qk_param(name: str, cfg: QKClipConfig) -> QKRole | None:
-    """``(layer_idx, "q" | "k")`` for a query/key projection weight, else ``None``.
+def config_record(cfg: QKClipConfig | None) -> dict:
+    """The savable part of a config, with the same keys whether QK-clip is on or off.
 
-    Default rule: the name ends in ``.weight``, one of its dotted components equals a q (or k)
-    pattern, and the layer is the first integer component
+    Only plain values (floats, ints, strs, tuples), so torch.distributed.checkpoint can match
+    keys; ``classify`` is a callable and cannot be saved (``custom_classify`` records its use).
+    """
+    if cfg is None:
+        return {"threshold": None, "head_dim": None, "q_patterns": (), "k_patterns": (), "custom_classify": False,
+                "qkv_patterns": (), "fused_qkv": (), "mla": ()}
+    fused, mla = cfg.fused_qkv, cfg.mla
+    return {
+        "threshold": float(cfg.threshold),
+        "head_dim": None if cfg.head_dim is None else int(cfg.head_dim),
+        "q_patterns": tuple(cfg.q_patterns),
+        "k_patterns": tuple(cfg.k_patterns),
+        "custom_classify": cfg.classify is not None,
+        "qkv_patterns": tuple(cfg.qkv_patterns),
+        "fused_qkv": () if fused is None else (fused.n_heads, fused.n_kv_heads, fused.head_dim, fused.layout),
+        "mla": () if mla is None else (mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim),
+    }
+
+
+def config_from_record(record: Mapping, classify: Callable | None = None) -> QKClipConfig | None:
+    """Inverse of :func:`config_record` (``classify`` from the live config; None if QK-clip was off).
+
+    Records written before ``qkv_patterns`` / ``fused_qkv`` / ``mla`` existed load with their
+    defaults (separate q/k weights).
+    """
+    if record.get("threshold") is None:
+        return None
+    fused = tuple(record.get("fused_qkv") or ())
+    mla = tuple(record.get("mla") or ())
+    kwargs = {}
+    if record.get("qkv_patterns"):
+        kwargs["qkv_patterns"] = tuple(record["qkv_patterns"])
+    if fused and fused[3] not in FUSED_QKV_LAYOUTS:
+        raise ValueError(f"QK-clip record: unknown fused_qkv layout {fused[3]!r}")
+    return QKClipConfig(
+        head_dim=record.get("head_dim"),
+        threshold=record["threshold"],
+        q_patterns=tuple(record["q_patterns"]) or None,
+        k_patterns=tuple(record["k_patterns"]) or None,
+        classify=classify,
+        fused_qkv=FusedQKV(*fused) if fused else None,
+        mla=MLAHeads(*mla) if mla else None,
+        **kwargs,
+    )
+
+
+def classify_qk_param(name: str, cfg: QKClipConfig) -> QKRole | None:
+    """``(layer, "q" | "k" | "qkv")`` for a query / key / fused weight, else ``None``.
+
+    Default rule: the name ends in ``.weight``, one of its dotted components equals a qkv, q or k
+    pattern (checked in that order), and the layer is the first integer component
     (``model.layers.3.self_attn.q_proj.weight -> (3, "q")``). ``cfg.classify`` replaces the rule.
     """
     if cfg.classify is not None:
@@ -108,24 +219,24 @@ def classify_qk_param(name: str, cfg: QKClipConfig) -> QKRole | None:
         ok = (
             isinstance(role, tuple)
             and len(role) == 2
-            and isinstance(role[0], int)
+            and isinstance(role[0], (int, str))
             and not isinstance(role[0], bool)
-            and role[1] in ("q", "k")
+            and role[1] in ROLES
         )
         if not ok:
             raise ValueError(
                 f"QKClipConfig.classify({name!r}) returned {role!r}; it must return None or "
-                "(layer_idx: int, 'q' | 'k')"
+                "(layer: int | str, 'q' | 'k' | 'qkv')"
             )
         return role
     parts = name.split(".")
     if len(parts) < 2 or parts[-1] != "weight":
         return None
     kind = None
-    if any(p in cfg.q_patterns for p in parts[:-1]):
-        kind = "q"
-    elif any(p in cfg.k_patterns for p in parts[:-1]):
-        kind = "k"
+    for candidate, patterns in (("qkv", cfg.qkv_patterns), ("q", cfg.q_patterns), ("k", cfg.k_patterns)):
+        if any(p in patterns for p in parts[:-1]):
+            kind = candidate
+            break
     if kind is None:
         return None
     layer = next((int(p) for p in parts if p.isdigit()), None)
@@ -133,7 +244,7 @@ def classify_qk_param(name: str, cfg: QKClipConfig) -> QKRole | None:
         raise ValueError(
             f"QK-clip: {name!r} looks like a {kind} projection but its name has no integer "
             "component to use as the layer index; pass QKClipConfig(classify=...) returning "
-            "(layer_idx, 'q' | 'k') or None for each parameter name"
+            "(layer, 'q' | 'k' | 'qkv') or None for each parameter name"
         )
     return (layer, kind)
 
@@ -277,13 +388,52 @@ def check_qk_logits(qk_logits) -> Mapping[int, Tensor]:
     return qk_logits
 
 
-@dataclass
 class QKClipReport:
-    """What one step's QK-clip did: per layer, how many query heads were clipped and the max logit."""
+    """What one step's QK-clip did: per layer, how many query heads were clipped and the max logit.
 
-    threshold: float
-    clipped_heads: dict[int, int] = field(default_factory=dict)
-    max_logit: dict[int, float] = field(default_factory=dict)
+    A step builds it from device tensors (:meth:`lazy`) without reading them; the first access to
+    ``clipped_heads`` / ``max_logit`` (or ``format``, ``total_clipped``) copies them to the host
+    once (one synchronisation, at the user's request).  Layers skipped because none of their
+    weights had a gradient are in ``skipped_layers`` and not in the dicts.
+    """
+
+    def __init__(self, threshold: float, clipped_heads: dict | None = None, max_logit: dict | None = None,
+                 skipped_layers: tuple = ()):
+        self.threshold = float(threshold)
+        self.skipped_layers = tuple(skipped_layers)
+        self._pending = None
+        self._clipped = dict(clipped_heads or {})
+        self._max = dict(max_logit or {})
+
+    @classmethod
+    def lazy(cls, threshold: float, layers: Sequence, counts: Tensor, maxima: Tensor,
+             skipped_layers: tuple = ()) -> QKClipReport:
+        """A report whose values stay on the device until read (``counts``/``maxima`` per layer)."""
+        report = cls(threshold, skipped_layers=skipped_layers)
+        report._pending = (tuple(layers), counts, maxima)
+        return report
+
+    def _materialise(self) -> None:
+        if self._pending is None:
+            return
+        layers, counts, maxima = self._pending
+        values = torch.stack([counts.float(), maxima.float()]).tolist() if layers else [[], []]
+        skipped = set(self.skipped_layers)
+        for layer, n, m in zip(layers, values[0], values[1]):
+            if layer not in skipped:
+                self._clipped[layer] = int(n)
+                self._max[layer] = float(m)
+        self._pending = None
+
+    @property
+    def clipped_heads(self) -> dict:
+        self._materialise()
+        return self._clipped
+
+    @property
+    def max_logit(self) -> dict:
+        self._materialise()
+        return self._max
 
     @property
     def total_clipped(self) -> int:
@@ -295,14 +445,20 @@ class QKClipReport:
 
     def format(self) -> str:
         layers = ", ".join(
-            f"L{layer}:{n}" for layer, n in sorted(self.clipped_heads.items()) if n
+            f"L{layer}:{n}" for layer, n in sorted(self.clipped_heads.items(), key=lambda kv: layer_sort_key(kv[0]))
+            if n
         )
         top = self.overall_max_logit
         top_s = "n/a" if top is None else f"{top:.3g}"
+        skipped = f" skipped (no gradient): {list(self.skipped_layers)}" if self.skipped_layers else ""
         return (
             f"qk_clip: {self.total_clipped} heads clipped (threshold {self.threshold:g}, "
-            f"max logit {top_s})" + (f" [{layers}]" if layers else "")
+            f"max logit {top_s})" + (f" [{layers}]" if layers else "") + skipped
         )
+
+    def __repr__(self) -> str:
+        state = "pending" if self._pending is not None else f"clipped_heads={self._clipped}, max_logit={self._max}"
+        return f"QKClipReport(threshold={self.threshold:g}, {state}, skipped_layers={self.skipped_layers})"
 
 
 def build_report(qk_logits: Mapping[int, Tensor], threshold: float) -> QKClipReport:

@@ -1,0 +1,240 @@
+"""Split orthogonalisation: row blocks of one weight that Muon orthogonalises as separate matrices.
+
+A fused ``wqkv`` is three projections in one tensor, and Muon orthogonalising it as one matrix
+couples them (the update's singular directions mix q, k and v).  Declaring row blocks makes Muon
+orthogonalise each block on its own, exactly as if the weights were separate; per-head blocks
+orthogonalise every head on its own (per-head Muon).
+
+How a user declares it: a Muon param group key ``"muon_row_blocks"``, whose value is either one
+spec for every parameter of the group or a dict ``{param_name: spec}`` (named groups).  A spec is
+
+* ``"heads:<d>"`` (or :class:`HeadBlocks(d)`): blocks of ``d`` consecutive rows (one head each);
+* a :class:`~optimizer.attention_layouts.FusedQKV`: three blocks, the q, k and v rows, each in
+  head order (what the separate ``wq``/``wk``/``wv`` would hold);
+* :class:`SplitQKV(fused, per_head=True)`: every q, k and v head its own block;
+* a callable ``(name, global_shape) -> sequence of blocks`` (slices or LongTensors of global rows
+  that partition the rows).  Callables cannot be saved in a checkpoint; the others are plain
+  picklable values.
+
+Blocks of equal shape are orthogonalised in one batched call (:func:`orthogonalize_in_blocks`).
+The learning-rate adjustment uses each block's own shape: the function multiplies block ``b``'s
+orthogonalised update by ``adjust_lr(1, shape_b) / adjust_lr(1, full_shape)``, so that the caller
+applies the whole matrix's adjusted lr as usual and every block ends up with its own: with
+``"match_rms_adamw"`` a ``[128, 4096]`` head of a ``[12288, 4096]`` weight is multiplied by
+``sqrt(4096 / 12288)``, so its effective factor is ``0.2 * sqrt(4096)``, as for a separate
+``[128, 4096]`` matrix.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .attention_layouts import FusedQKV, Part
+from .muon_math import adjust_lr
+
+ROW_BLOCKS_KEY = "muon_row_blocks"
+_HEADS_RE = re.compile(r"^heads:(\d+)$")
+
+
+@dataclass(frozen=True)
+class HeadBlocks:
+    """Blocks of ``head_dim`` consecutive rows (``"heads:<head_dim>"``)."""
+
+    head_dim: int
+
+    def __post_init__(self):
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0:
+            raise ValueError(f"HeadBlocks: head_dim must be a positive int, got {self.head_dim!r}")
+
+
+@dataclass(frozen=True)
+class SplitQKV:
+    """The q, k and v rows of a fused weight as blocks; with ``per_head`` every head its own."""
+
+    fused: FusedQKV
+    per_head: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.fused, FusedQKV):
+            raise ValueError(f"SplitQKV: fused must be a FusedQKV, got {self.fused!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class BlockClass:
+    """Blocks of one shape: ``count`` blocks of ``rows_per_block`` rows, ``rows`` concatenated."""
+
+    rows: Tensor  # int64 [count * rows_per_block], block-major
+    count: int
+    rows_per_block: int
+
+
+@dataclass(eq=False)
+class RowBlocks:
+    """A partition of a weight's rows into blocks, grouped by shape for batching."""
+
+    num_rows: int
+    blocks: tuple  # of slice | LongTensor, in declaration order
+    classes: tuple  # of BlockClass
+    _on_device: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def shapes(self) -> list[int]:
+        return [c.rows_per_block for c in self.classes for _ in range(c.count)]
+
+    def class_rows(self, device) -> list[Tensor]:
+        key = str(torch.device(device))
+        if key not in self._on_device:
+            self._on_device[key] = [c.rows.to(device) for c in self.classes]
+        return self._on_device[key]
+
+
+def parse_spec(spec, where: str):
+    """Normalise a user spec (see the module docstring); None means "whole matrix"."""
+    if spec is None or isinstance(spec, (HeadBlocks, SplitQKV, FusedQKV)) or callable(spec):
+        return spec
+    if isinstance(spec, str):
+        m = _HEADS_RE.match(spec.strip())
+        if m and int(m.group(1)) > 0:
+            return HeadBlocks(int(m.group(1)))
+    raise ValueError(
+        f"{where}: {ROW_BLOCKS_KEY} spec {spec!r} is not understood; use 'heads:<head_dim>', HeadBlocks(d), "
+        "FusedQKV(...), SplitQKV(FusedQKV(...), per_head=True), a callable (name, shape) -> blocks, or None"
+    )
+
+
+def spec_for(group_value, name: str, where: str):
+    """The spec for one parameter from a group's ``muon_row_blocks`` value (spec or {name: spec})."""
+    if isinstance(group_value, Mapping):
+        return parse_spec(group_value.get(name), f"{where} '{name}'")
+    return parse_spec(group_value, f"{where} '{name}'")
+
+
+def check_group_row_blocks(group_value, names: Sequence[str], where: str) -> None:
+    """A dict value must only name parameters of the group (a typo would silently not split)."""
+    if isinstance(group_value, Mapping):
+        unknown = [k for k in group_value if k not in set(names)]
+        if unknown:
+            raise ValueError(
+                f"{where}: {ROW_BLOCKS_KEY} names {unknown}, which are not parameters of this group "
+                f"(its param_names: {list(names)[:8]}{' ...' if len(names) > 8 else ''})"
+            )
+        for k, v in group_value.items():
+            parse_spec(v, f"{where} '{k}'")
+    else:
+        parse_spec(group_value, where)
+
+
+def resolve_row_blocks(spec, name: str, global_shape: Sequence[int]) -> RowBlocks | None:
+    """The row blocks of one weight (None: orthogonalise the whole matrix).  Pure; raises
+    ``ValueError`` naming ``name`` when the spec does not fit the shape."""
+    spec = parse_spec(spec, f"'{name}'")
+    if spec is None:
+        return None
+    shape = tuple(int(s) for s in global_shape)
+    if len(shape) != 2:
+        raise ValueError(
+            f"'{name}': {ROW_BLOCKS_KEY} needs a 2-D weight [out, in], got shape {list(shape)} (3-D expert "
+            "weights are already orthogonalised per expert)"
+        )
+    rows = shape[0]
+    if isinstance(spec, HeadBlocks):
+        if rows % spec.head_dim:
+            raise ValueError(f"'{name}' has {rows} rows, not a multiple of the block size {spec.head_dim} "
+                             f"({ROW_BLOCKS_KEY}='heads:{spec.head_dim}')")
+        blocks = [slice(s, s + spec.head_dim) for s in range(0, rows, spec.head_dim)]
+    elif isinstance(spec, (FusedQKV, SplitQKV)):
+        fused = spec if isinstance(spec, FusedQKV) else spec.fused
+        if rows != fused.num_rows:
+            raise ValueError(f"'{name}' has {rows} rows but {fused} has {fused.num_rows}; fix the FusedQKV head counts")
+        layout = fused.row_layout()
+        per_head = isinstance(spec, SplitQKV) and spec.per_head
+        blocks = []
+        for part, n in ((Part.Q, fused.n_heads), (Part.K, fused.n_kv_heads), (Part.V, fused.n_kv_heads)):
+            if per_head:
+                blocks += [_as_block(layout.rows(part, h)) for h in range(n)]
+            else:
+                blocks.append(_as_block(layout.rows(part)))
+    else:
+        blocks = list(spec(name, shape))
+    return compile_blocks(blocks, rows, name)
+
+
+def _as_block(rows: Tensor) -> slice | Tensor:
+    """A slice when the rows are consecutive (views instead of gathers), else the LongTensor."""
+    if rows.numel() and int(rows[-1]) - int(rows[0]) + 1 == rows.numel():
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows
+
+
+def compile_blocks(blocks: Sequence, num_rows: int, name: str = "weight") -> RowBlocks:
+    """Check that ``blocks`` partition ``range(num_rows)`` and group them by size."""
+    as_rows = []
+    for i, b in enumerate(blocks):
+        if isinstance(b, slice):
+            start, stop, step = b.indices(num_rows)
+            r = torch.arange(start, stop, step)
+        elif isinstance(b, Tensor) and b.ndim == 1 and not b.is_floating_point():
+            r = b.to("cpu", torch.long)
+        else:
+            raise ValueError(f"'{name}': row block {i} must be a slice or a 1-D LongTensor of global rows, got {b!r}")
+        if r.numel() == 0:
+            raise ValueError(f"'{name}': row block {i} is empty")
+        as_rows.append(r)
+    every = torch.cat(as_rows) if as_rows else torch.zeros(0, dtype=torch.long)
+    if every.numel() and (int(every.min()) < 0 or int(every.max()) >= num_rows):
+        raise ValueError(f"'{name}': row blocks name rows outside [0, {num_rows})")
+    counts = torch.bincount(every, minlength=num_rows)
+    if not bool((counts == 1).all()):
+        missing, twice = int((counts == 0).sum()), int((counts > 1).sum())
+        raise ValueError(
+            f"'{name}': row blocks must cover each of the {num_rows} rows exactly once ({missing} rows in no block, "
+            f"{twice} in more than one)"
+        )
+    by_size: dict[int, list[Tensor]] = {}
+    for r in as_rows:
+        by_size.setdefault(r.numel(), []).append(r)
+    classes = tuple(BlockClass(torch.cat(rs), len(rs), size) for size, rs in by_size.items())
+    return RowBlocks(num_rows=num_rows, blocks=tuple(blocks), classes=classes)
+
+
+def block_lr_factor(rows_per_block: int, full_shape: Sequence[int], mode: str | None) -> float:
+    """``adjust_lr(1, [rows_per_block, in]) / adjust_lr(1, full_shape)`` (1 without adjustment)."""
+    return adjust_lr(1.0, (rows_per_block, full_shape[-1]), mode) / adjust_lr(1.0, tuple(full_shape), mode)
+
+
+def orthogonalize_in_blocks(
+    matrix: Tensor,
+    blocks: RowBlocks | Sequence,
+    orthogonalize: Callable[[Tensor], Tensor],
+    *,
+    adjust_lr_mode: str | None = None,
+) -> Tensor:
+    """Orthogonalise each row block of a 2-D ``matrix`` as its own matrix; same-shape blocks batched.
+
+    ``orthogonalize`` takes ``[batch, rows, cols]`` (``zeropower_via_newtonschulz`` does).  With
+    ``adjust_lr_mode`` every block's result is multiplied by :func:`block_lr_factor`, so that the
+    caller's usual ``param -= adjust_lr(lr, full_shape) * update`` gives each block its own
+    adjusted lr.  Returns a tensor of ``matrix``'s shape in ``orthogonalize``'s output dtype.
+    """
+    if matrix.ndim != 2:
+        raise ValueError(f"orthogonalize_in_blocks: expected a 2-D matrix, got shape {tuple(matrix.shape)}")
+    if not isinstance(blocks, RowBlocks):
+        blocks = compile_blocks(blocks, matrix.shape[0])
+    if blocks.num_rows != matrix.shape[0]:
+        raise ValueError(f"orthogonalize_in_blocks: blocks cover {blocks.num_rows} rows, the matrix has {matrix.shape[0]}")
+    out = None
+    for cls, rows in zip(blocks.classes, blocks.class_rows(matrix.device)):
+        x = matrix.index_select(0, rows).view(cls.count, cls.rows_per_block, matrix.shape[1])
+        y = orthogonalize(x)
+        factor = block_lr_factor(cls.rows_per_block, matrix.shape, adjust_lr_mode)
+        if factor != 1.0:
+            y = y * factor
+        if out is None:
+            out = torch.empty(matrix.shape, dtype=y.dtype, device=matrix.device)
+        out.index_copy_(0, rows, y.reshape(-1, matrix.shape[1]))
+    return out
