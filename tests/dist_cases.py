@@ -72,8 +72,14 @@ def build_groups(named):
 OPT_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr="match_rms_adamw")
 
 
+def _has_attention(specs) -> bool:
+    # QK-clip refuses a config that matches no weight; cases without q/k run without it.
+    return any(".wq." in name for name, _, _ in specs)
+
+
 def run_reference(specs, steps, qk, threshold=1.0, seed=0, **kw):
     """Single-device Muon on plain tensors."""
+    qk = qk and _has_attention(specs)
     params, grads = make_case_tensors(specs, steps, seed)
     named = [(n, torch.nn.Parameter(params[n].clone())) for n, _, _ in specs]
     opt = Muon(build_groups(named), qk_clip=QKClipConfig(head_dim=HEAD_DIM, threshold=threshold) if qk else None,
@@ -88,6 +94,7 @@ def run_reference(specs, steps, qk, threshold=1.0, seed=0, **kw):
 def run_distributed(rank, world_size, mesh_shape, specs, steps, qk, threshold=1.0, seed=0, with_stats=False, **kw):
     """The same run with DTensor params; returns each param's full tensor (on every rank),
     and with ``with_stats`` also the last step's pipeline stats."""
+    qk = qk and _has_attention(specs)
     mesh = init_device_mesh("cpu", mesh_shape)
     params, grads = make_case_tensors(specs, steps, seed)
     named = []

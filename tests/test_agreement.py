@@ -80,7 +80,7 @@ def _bad_qk_logits_on_one_rank(rank, world_size):
 
 def test_wrong_head_count_on_one_rank_fails_every_rank_without_hang():
     results = run_ranks(_bad_qk_logits_on_one_rank, 2, timeout=60)
-    assert results[1][0] == "ValueError" and "qk_logits[0]" in results[1][1] and "4 heads" in results[1][1]
+    assert results[1][0] == "ValueError" and "qk_logits[0]" in results[1][1] and "4 query heads" in results[1][1]
     assert results[0][0] == "RuntimeError" and "rejected their inputs" in results[0][1]
 
 

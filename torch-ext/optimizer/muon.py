@@ -38,7 +38,17 @@ from .muon_math import adjust_lr
 from .newton_schulz import default_compute_dtype, newton_schulz_flops, zeropower_via_newtonschulz
 from .pipeline import ParamStep, PipelineStats, gather_everything, run_parallel_muon
 from .plan import PlanParam, PlanSettings, StepPlan, build_plan
-from .qk_clip import QKClipConfig, QKClipReport, log_report, plan_qk_clip
+from .qk_clip import QKClipConfig, QKClipReport, config_record, log_report
+from .qk_clip_plan import (
+    ClipStep,
+    build_qk_clip_plan,
+    check_layer_gradients,
+    check_step_logits,
+    compute_clip_step,
+    describe_nonfinite,
+)
+from .row_blocks import ROW_BLOCKS_KEY, check_group_row_blocks, orthogonalize_in_blocks, \
+    resolve_row_blocks, spec_for
 from .tensors import is_dtensor, local_view
 from .validation import (
     GROUPS_HELP,
@@ -178,6 +188,10 @@ class Muon(Optimizer):
         self._building = True
         super().__init__(params, defaults)
         self._building = False
+        # Everything QK-clip needs that names and shapes can tell is checked now, before
+        # any state exists (pairs, head counts, one weight per layer and role, Muon groups).
+        if qk_clip is not None:
+            build_qk_clip_plan(qk_clip, _qk_params(self))
         self._create_process_groups(self.param_groups)
 
     # ------------------------------------------------------------------ groups
@@ -192,7 +206,13 @@ class Muon(Optimizer):
         state_layout.stamp_group(group, self.qk_clip)
         index = len(self.param_groups) - 1
         check_group_options(group, f"param_groups[{index}]")
-        check_group_params(group, [self._param_name(index, i) for i in range(len(group["params"]))])
+        names = [self._param_name(index, i) for i in range(len(group["params"]))]
+        check_group_params(group, names)
+        if group["use_muon"] and group.get(ROW_BLOCKS_KEY) is not None:
+            where = f"Muon: param_groups[{index}]"
+            check_group_row_blocks(group[ROW_BLOCKS_KEY], names, where)
+            for name, p in zip(names, group["params"]):
+                resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], name, where), name, p.shape)
         if not self.__dict__.get("_building", False):
             self._create_process_groups([group], only_if_missing=True)
 
@@ -301,20 +321,21 @@ class Muon(Optimizer):
             problem = gradient_problem(name, p, g, use_muon)
             if problem:
                 local_errors.append(problem)
-        qk_plan, qk_report, qk_errors = plan_qk_clip(qk_logits, plan.muon_named, self.qk_clip)
+        clip, qk_errors = plan.qk_step(qk_logits) if not local_errors else (None, [])
         local_errors += qk_errors
         # Device facts, as 0-d int64 tensors summed over ranks with the rest and read once.
         # Every rank sends the same slots whatever it has (a collective's size must match).
         nothing = torch.zeros((), dtype=torch.int64)
         nonfinite = _count_nonfinite(muon_grads) if self.skip_nonfinite and not local_errors else nothing
-        qk_digest = agreement.device_checksum(qk_logits) if qk_report is not None else nothing
+        qk_nonfinite = clip.nonfinite if clip is not None else nothing
+        qk_digest = agreement.device_checksum({0: clip.flat_logits}) if clip is not None else nothing
 
         # 2. Agree on every rank-dependent fact before any other collective.
         outcome = agreement.agree(
             plan.described,
             plan.has_grad,
             host_flags=[int(qk_logits is not None), int(bool(local_errors)), int(closure_error is not None)],
-            device_flags=[nonfinite],
+            device_flags=[nonfinite, qk_nonfinite],
             settings=self._settings_digest(),
             device_digest=qk_digest,
             group=plan.agreement_group,
@@ -322,7 +343,7 @@ class Muon(Optimizer):
             describe_settings=self._settings_record,
         )
         qk_count, error_count, closure_count = outcome.host_flags
-        nonfinite_count = outcome.device_flags[0]
+        nonfinite_count, qk_nonfinite_count = outcome.device_flags
         n = outcome.ranks
         if closure_error is not None:
             raise closure_error
@@ -353,9 +374,13 @@ class Muon(Optimizer):
         if not outcome.same_device_digest:
             raise RuntimeError(
                 "Muon.step: qk_logits differ between ranks; every rank must pass the same per-head max "
-                "logits (all-gather over tensor-parallel ranks and max-reduce over data-parallel ranks first)."
+                "logits (optimizer.max_logits.gather_max_logits max-reduces over data-parallel ranks and "
+                "gathers over tensor-parallel ranks)."
             )
+        if qk_nonfinite_count:
+            raise ValueError(describe_nonfinite(qk_logits))  # every rank: they all pass the same logits
         self.last_step_skipped = nonfinite_count > 0
+        qk_report = clip.report if clip is not None else None
         self.qk_clip_report = None if self.last_step_skipped else qk_report
         if self.last_step_skipped:
             logger.warning(
@@ -368,7 +393,7 @@ class Muon(Optimizer):
             log_report(qk_report)
         # 3. AdamW, 4. Muon.
         self._adamw_step()
-        self._muon_step(plan, qk_plan)
+        self._muon_step(plan, clip)
         return loss
 
     # ------------------------------------------------------------- internals
@@ -376,10 +401,10 @@ class Muon(Optimizer):
     def _settings_record(self) -> dict[str, Any]:
         """Everything that must be equal on every rank, as plain values (for the error message)."""
         record: dict[str, Any] = {k: repr(getattr(self, k)) for k in _PICKLED_SETTINGS if k != "qk_clip"}
-        record["qk_clip"] = repr(state_layout.qk_clip_record(self.qk_clip))
+        record["qk_clip"] = repr(config_record(self.qk_clip))
         for i, g in enumerate(self.param_groups):
             for key in ("use_muon", "lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients",
-                        "adjust_lr", "betas", "eps", "maximize"):
+                        "adjust_lr", "betas", "eps", "maximize", ROW_BLOCKS_KEY):
                 value = g.get(key)
                 if torch.is_tensor(value):
                     value = value.item() if value.device.type == "cpu" else "<device tensor>"
@@ -401,7 +426,9 @@ class Muon(Optimizer):
             tuple((id(p), g is not None, None if g is None else g.dtype) for _, p, g, _ in entries),
             self.distributed_mode, self.chunk_size, self.compute_dtype, self.replica_split,
             self.replica_split_flops_per_byte,
-            tuple((g["use_muon"], g.get("ns_steps"), repr(g.get("ns_coefficients"))) for g in self.param_groups),
+            tuple((g["use_muon"], g.get("ns_steps"), repr(g.get("ns_coefficients")), repr(g.get("adjust_lr")),
+                   repr(g.get(ROW_BLOCKS_KEY))) for g in self.param_groups),
+            repr(config_record(self.qk_clip)), id(self.qk_clip),
         )
         cached = self.__dict__.get("_cached_plan")
         if cached is not None and cached.key == key:
@@ -445,7 +472,7 @@ class Muon(Optimizer):
 
         return orthogonalize
 
-    def _muon_step(self, view: "_StepView", qk_plan: dict[str, tuple[torch.Tensor, int]]) -> None:
+    def _muon_step(self, view: "_StepView", clip: ClipStep | None) -> None:
         """Momentum on every local piece, then the step plan through the pipeline."""
         params = view.muon_params
         self.last_step_stats = PipelineStats(params[0].device if params else None)
@@ -477,16 +504,32 @@ class Muon(Optimizer):
         for i, (p, group) in enumerate(zip(params, groups_of)):
             lr, wd = group["lr"], group["weight_decay"]
             ortho = orthogonalizers.setdefault(id(group), self._orthogonalizer(group))
+            blocks = view.row_blocks[i]
+            if blocks is not None:
+                ortho = _in_blocks(ortho, blocks, group["adjust_lr"])
             steps.append(ParamStep(
                 param=local_view(p), grad=signed[i], buf=bufs[i], momentum=_muon_momentum(group),
                 nesterov=group["nesterov"], lr=lr, adjusted_lr=adjust_lr(lr, p.shape, group["adjust_lr"]),
                 weight_decay=wd, orthogonalize=ortho,
-                qk_row_scales=view.qk_row_scales(i, qk_plan),
+                qk_clip=view.clip_rows(i, clip),
             ))
         if self.distributed_mode == "gather":
             gather_everything(view.plan, steps, self.last_step_stats)
         else:
             run_parallel_muon(view.plan, steps, lookahead=self.lookahead, stats=self.last_step_stats)
+
+
+def _in_blocks(orthogonalize: Callable, blocks, adjust_lr_mode) -> Callable:
+    """Orthogonalise each declared row block of a matrix on its own (fused q/k/v, per head)."""
+
+    def orthogonalize_blocks(x: torch.Tensor) -> torch.Tensor:
+        return orthogonalize_in_blocks(x, blocks, orthogonalize, adjust_lr_mode=adjust_lr_mode)
+
+    return orthogonalize_blocks
+
+
+def _qk_params(opt: Muon) -> list[tuple[str, tuple[int, ...], bool, int]]:
+    return [(n, tuple(p.shape), g["use_muon"], gi) for gi, g in enumerate(opt.param_groups) for n, p in _named(opt, gi)]
 
 
 def _muon_momentum(group: dict) -> float:
@@ -573,13 +616,21 @@ class _StepView:
         self.muon_params = [p for _, p, _, _ in muon]
         self.muon_groups = [opt.param_groups[gi] for _, _, _, gi in muon]
         self.muon_grads = [local_view(g) for _, _, g, _ in muon]
-        self._row_heads: dict[int, torch.Tensor] = {}
-        self.plan = StepPlan([], [], 0, 0, 0.0, 0, 0, 0)
+        self._clip_index: dict[int, torch.Tensor] = {}
+        self.row_blocks: list = [None] * len(muon)
+        self.qk_plan = None
+        self.device = local_view(self.muon_params[0]).device if self.muon_params else torch.device("cpu")
+        self.plan = StepPlan()
         if self.errors:
             return
+        if opt.qk_clip is not None:
+            try:
+                self.qk_plan = build_qk_clip_plan(opt.qk_clip, _qk_params(opt))
+            except ValueError as err:
+                self.errors.append(str(err))
         rank = dist.get_rank() if dist.is_initialized() else 0
         plan_params = []
-        for n, p, _, gi in muon:
+        for i, (n, p, _, gi) in enumerate(muon):
             group = opt.param_groups[gi]
             steps = group["ns_steps"]
             layout = _layout(p) if is_dtensor(p) else None
@@ -587,10 +638,22 @@ class _StepView:
                 problem = _local_shape_problem(n, p, layout, rank)
                 if problem:
                     self.errors.append(problem)
+            cost = lambda shape, steps=steps: float(newton_schulz_flops(shape, steps))  # noqa: E731
+            ns_key = gi
+            if group.get(ROW_BLOCKS_KEY) is not None:
+                try:
+                    blocks = resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], n, f"Muon: param_groups[{gi}]"),
+                                                n, p.shape)
+                except ValueError as err:
+                    self.errors.append(str(err))
+                    blocks = None
+                if blocks is not None:
+                    self.row_blocks[i] = blocks
+                    ns_key = (gi, n)  # its own orthogonalisation: never batched with others
+                    cost = _blocks_cost(blocks, steps)
             plan_params.append(PlanParam(
                 name=n, shape=tuple(p.shape), layout=layout, wire_dtype=_wire_dtype(opt, p),
-                device=local_view(p).device, ns_key=gi,
-                cost=lambda shape, steps=steps: float(newton_schulz_flops(shape, steps)),
+                device=local_view(p).device, ns_key=ns_key, cost=cost,
                 mesh=p.device_mesh if layout is not None else None,
             ))
         if self.errors:
@@ -612,21 +675,39 @@ class _StepView:
         self.entries = entries
         self.muon_grads = [local_view(p.grad) for p in self.muon_params]
 
-    def qk_row_scales(self, i: int, qk_plan: dict) -> torch.Tensor | None:
-        """Per local row of Muon parameter ``i``: its head's QK-clip factor (on the device)."""
-        name = self.muon_named[i][0]
-        entry = qk_plan.get(name)
-        if entry is None:
+    def qk_step(self, qk_logits) -> tuple[ClipStep | None, list[str]]:
+        """This step's QK-clip values (on the device, no host read) or the problems with ``qk_logits``."""
+        errors = check_step_logits(self.qk_plan, qk_logits, self.device)
+        if errors or qk_logits is None or self.qk_plan is None:
+            return None, errors
+        has_grad = {n: p.grad is not None for n, p in self.muon_named}
+        errors, active = check_layer_gradients(self.qk_plan, has_grad)
+        if errors:
+            return None, errors
+        skipped = [layer for layer in self.qk_plan.layers if layer not in active]
+        return compute_clip_step(self.qk_plan, qk_logits, self.device, skipped_layers=skipped), []
+
+    def clip_rows(self, i: int, clip: ClipStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(scale table, table slot of every local row) when Muon parameter ``i`` is clipped this step."""
+        if clip is None:
             return None
-        scales, head_dim = entry
-        heads = self._row_heads.get(i)
-        if heads is None:
+        rows = self.qk_plan.weights.get(self.muon_named[i][0])
+        if rows is None:
+            return None
+        index = self._clip_index.get(i)
+        if index is None:  # once per placement
             p = self.muon_params[i]
-            rows = _local_rows(p)
-            device = local_view(p).device
-            idx = torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
-            heads = self._row_heads[i] = (idx // head_dim).to(device)
-        return scales.to(heads.device, non_blocking=True)[heads]
+            index = self._clip_index[i] = rows.local_index(_local_rows(p), local_view(p).device)
+        return clip.table, index
+
+
+def _blocks_cost(blocks, ns_steps: int) -> Callable[[tuple[int, ...]], float]:
+    # Newton–Schulz runs per block: the owner's work is the sum over blocks
+    def cost(shape: tuple[int, ...]) -> float:
+        return float(sum(c.count * newton_schulz_flops((c.rows_per_block, shape[-1]), ns_steps)
+                         for c in blocks.classes))
+
+    return cost
 
 
 def _named(opt: Muon, gi: int):

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from .muon_math import apply_update_
 from .plan import Chunk, Owned, StepPlan
+from .qk_clip_plan import apply_clip_
 
 
 @dataclass
@@ -59,7 +60,7 @@ class ParamStep:
     adjusted_lr: float
     weight_decay: float
     orthogonalize: Callable[[torch.Tensor], torch.Tensor]
-    qk_row_scales: torch.Tensor | None = None  # one factor per local row, on the device
+    qk_clip: tuple[torch.Tensor, torch.Tensor] | None = None  # (scale table, slot of every local row)
 
 
 # --------------------------------------------------------------------------
@@ -332,7 +333,7 @@ def finish_update(flight: _Flight, steps: Sequence[ParamStep], stats: PipelineSt
                 continue
             s = steps[u.param]
             apply_update_(_region(s.param, u.region), block, s.lr, s.adjusted_lr, s.weight_decay)
-            if s.qk_row_scales is not None:
+            if s.qk_clip is not None:
                 clipped.append(s)
     with stats.time("qk_clip"):
         for s in clipped:
@@ -340,8 +341,8 @@ def finish_update(flight: _Flight, steps: Sequence[ParamStep], stats: PipelineSt
 
 
 def _clip_rows_(s: ParamStep) -> None:
-    """Scale each local row by its head's QK-clip factor (precomputed per local row)."""
-    s.param.mul_(s.qk_row_scales.to(s.param.dtype).view(-1, *([1] * (s.param.dim() - 1))))
+    """Scale each local row by its QK-clip factor: the table slot of its head and part."""
+    apply_clip_(s.param, *s.qk_clip)
 
 
 # --------------------------------------------------------------------------
@@ -370,7 +371,7 @@ def run_local(plan: StepPlan, steps: Sequence[ParamStep], stats: PipelineStats) 
                 apply_update_(_region(s.param, job.region), result[i], s.lr, s.adjusted_lr, s.weight_decay)
         with stats.time("qk_clip"):
             for job in jobs:
-                if steps[job.param].qk_row_scales is not None:
+                if steps[job.param].qk_clip is not None:
                     _clip_rows_(steps[job.param])
 
 
@@ -452,7 +453,7 @@ def gather_everything(plan: StepPlan, steps: Sequence[ParamStep], stats: Pipelin
             block = update[g.my_index]
             apply_update_(s.param, block, s.lr, s.adjusted_lr, s.weight_decay)
         with stats.time("qk_clip"):
-            if s.qk_row_scales is not None:
+            if s.qk_clip is not None:
                 _clip_rows_(s)
         item = out.element_size()
         stats.bytes_sent += mine.numel() * item * (g.size - 1)

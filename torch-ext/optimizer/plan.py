@@ -318,6 +318,38 @@ def _holders_in_replica(layout: ParamLayout, batch, replica) -> tuple[int, ...]:
     return layout.grid.varying(layout.matrix_dims, fixed)
 
 
+@dataclass(frozen=True)
+class WorldJob:
+    """One job of the world-wide plan, as every rank computes it (for analysis: benchmarks/scale_model.py)."""
+
+    param: int
+    shape: tuple[int, ...]
+    cost: float
+    owner: int  # global rank
+    split: bool  # one job for every replica (True) or one per replica
+
+
+def world_jobs(params: Sequence[PlanParam], settings: PlanSettings) -> list[list[WorldJob]]:
+    """Every pattern's jobs with their owners, and the pattern's chunks (lists of job indices).
+
+    Pure and rank-independent: the part of :func:`build_plan` that is the same on every
+    rank.  Returns ``[(jobs, chunks)]`` per pattern, in plan order; parameters that are
+    orthogonalised where they are (no communication) are not included.
+    """
+    patterns: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        split = p.layout is not None and _wants_split(p, p.shape if len(p.shape) < 3 else (1, *p.shape[1:]), settings)
+        if not is_local(p, split):
+            patterns.setdefault(_pattern_key(p, split), []).append(i)
+    out = []
+    for key, members in sorted(patterns.items(), key=lambda kv: kv[1][0]):
+        jobs = _pattern_jobs(params, members, settings, key[-1])
+        lay = params[members[0]].layout
+        chunks = cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], settings.chunk_size or len(lay.grid.ranks))
+        out.append(([WorldJob(j.param, j.shape, j.cost, j.owner, key[-1]) for j in jobs], chunks))
+    return out
+
+
 # ----------------------------------------------------------------------------
 # The whole plan
 # ----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .adamw import ADAMW_STATE_KEYS
-from .qk_clip import QKClipConfig
+from .qk_clip import QKClipConfig, config_from_record, config_record
 from .tensors import is_dtensor
 
 logger = logging.getLogger("optimizer.muon")
@@ -53,15 +53,11 @@ _RESHARD_HINT = (
 
 def qk_clip_record(cfg: QKClipConfig | None) -> dict[str, Any]:
     """The savable part of a QK-clip config (same keys whether it is on or off)."""
-    if cfg is None:
-        return {"threshold": None, "head_dim": None, "q_patterns": (), "k_patterns": (), "custom_classify": False}
-    return {
-        "threshold": float(cfg.threshold),
-        "head_dim": int(cfg.head_dim),
-        "q_patterns": tuple(cfg.q_patterns),
-        "k_patterns": tuple(cfg.k_patterns),
-        "custom_classify": cfg.classify is not None,
-    }
+    return config_record(cfg)
+
+
+# The keys layout version 1 wrote before fused QKV and MLA existed: still loadable.
+_OLD_QK_KEYS = frozenset({"threshold", "head_dim", "q_patterns", "k_patterns", "custom_classify"})
 
 
 def stamp_group(group: dict, cfg: QKClipConfig | None) -> None:
@@ -72,7 +68,7 @@ def stamp_group(group: dict, cfg: QKClipConfig | None) -> None:
 
 def _normalised(record: Mapping) -> dict[str, Any]:
     out = dict(record)
-    for k in ("q_patterns", "k_patterns"):
+    for k in ("q_patterns", "k_patterns", "qkv_patterns", "fused_qkv", "mla"):  # saved tuples may load as lists
         out[k] = tuple(out.get(k) or ())
     return out
 
@@ -190,13 +186,14 @@ def qk_clip_from_groups(saved_groups: list[Mapping], live: QKClipConfig | None) 
     """
     records = [g.get(QK_CLIP_KEY) for g in saved_groups]
     for gi, record in enumerate(records):
-        if not isinstance(record, Mapping) or set(record) != set(qk_clip_record(None)):
+        if not isinstance(record, Mapping) or set(record) not in (set(qk_clip_record(None)), _OLD_QK_KEYS):
             raise ValueError(
                 f"Muon.load_state_dict: the checkpoint's {_group_label(saved_groups[gi], gi)} has no valid "
                 f"'{QK_CLIP_KEY}' (got {record!r}). " + _FRESH_START
             )
     if not records:
         return live
+    records = [{**qk_clip_record(None), **r} if set(r) == _OLD_QK_KEYS else r for r in records]
     record = _normalised(records[0])
     if any(_normalised(r) != record for r in records[1:]):
         raise ValueError(
@@ -217,10 +214,4 @@ def qk_clip_from_groups(saved_groups: list[Mapping], live: QKClipConfig | None) 
             "checkpoint cannot hold; construct Muon with qk_clip=QKClipConfig(..., classify=<the same "
             "function>) before loading."
         )
-    return QKClipConfig(
-        head_dim=record["head_dim"],
-        threshold=record["threshold"],
-        q_patterns=record["q_patterns"],
-        k_patterns=record["k_patterns"],
-        classify=classify,
-    )
+    return config_from_record(record, classify)
