@@ -1,0 +1,142 @@
+"""No host synchronisation in a steady-state step, other than the agreement's one read-back.
+
+On an accelerator every ``.item()``, ``bool(tensor)``, ``nonzero``, ``torch.equal``,
+``.tolist()`` or copy to the host waits for the device to drain its queue.  This CPU
+proxy watches a step: a ``TorchDispatchMode`` records the synchronising aten ops
+(``_local_scalar_dense`` is what ``.item()``/``int()``/``float()``/``bool()`` become,
+plus ``nonzero``, ``equal``, ``is_nonzero``, and copies to the CPU from another device),
+and the Python entry points that read data without dispatching on CPU (``tolist``,
+``numpy``, ``cpu``) are wrapped and counted.  The one allowed read is the agreement's
+``tolist`` of the summed vector.  ``scripts/gpu_check.sh`` runs the same step on CUDA
+under ``torch.cuda.set_sync_debug_mode("error")``.
+
+Muon groups only: the AdamW path is torch's own functional AdamW (fused on CUDA: no host
+read; with foreach, torch reads its step counters, which live on the CPU by design).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dist_cases import HEAD_DIM, build_groups, make_case_tensors, parse_placement, qk_logits_for, to_dtensor
+from harness import run_ranks
+
+SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
+            "aten.is_nonzero.default"}
+
+
+class SyncRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.events: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name in SYNC_OPS:
+            self.events.append(name)
+        elif name.startswith("aten._to_copy") or name.startswith("aten.copy_"):
+            src = args[1] if name.startswith("aten.copy_") else args[0]
+            dst_device = (kwargs or {}).get("device") if name.startswith("aten._to_copy") else args[0].device
+            if isinstance(src, torch.Tensor) and dst_device is not None and \
+                    torch.device(dst_device).type == "cpu" and src.device.type != "cpu":
+                self.events.append(f"{name} to cpu")
+        return func(*args, **(kwargs or {}))
+
+
+class HostReads:
+    """Counts Python-level reads of tensor data (invisible to dispatch on CPU)."""
+
+    NAMES = ("tolist", "numpy", "cpu")
+
+    def __init__(self):
+        self.events: list[str] = []
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        for n, fn in self.saved.items():
+            def wrapped(t, *a, _n=n, _fn=fn, **k):
+                self.events.append(_n)
+                return _fn(t, *a, **k)
+            setattr(torch.Tensor, n, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for n, fn in self.saved.items():
+            setattr(torch.Tensor, n, fn)
+        return False
+
+
+Q, K = (16, 12), (8, 12)
+
+
+def _specs(case: str, copies: int):
+    base = {
+        "fsdp": ((4,), [("layers.{i}.attention.wq.weight", Q, ["S0"]), ("layers.{i}.attention.wk.weight", K, ["S0"]),
+                        ("layers.{i}.ffn.w1.weight", (10, 12), ["S1"])]),
+        "fsdp_tp": ((2, 2), [("layers.{i}.attention.wq.weight", Q, ["SS0/2", "S0"]),
+                             ("layers.{i}.attention.wk.weight", K, ["SS0/2", "S0"]),
+                             ("layers.{i}.attention.wo.weight", (12, 16), ["S0", "S1"]),
+                             ("layers.{i}.ffn.w1.weight", (9, 6), ["SS0/2", "S0"])]),  # uneven, strided
+        "experts": ((4,), [("layers.{i}.moe.w1", (8, 12, 16), ["S1"]), ("layers.{i}.moe.w2", (8, 16, 12), ["S0"]),
+                           ("layers.{i}.attention.wq.weight", Q, ["S0"]),
+                           ("layers.{i}.attention.wk.weight", K, ["S0"])]),
+        "hsdp_split": ((2, 2), [("layers.{i}.attention.wq.weight", Q, ["R", "S0"]),
+                                ("layers.{i}.attention.wk.weight", K, ["R", "S0"]),
+                                ("layers.{i}.ffn.w1.weight", (7, 5), ["R", "R"])]),
+    }[case]
+    mesh_shape, templates = base
+    return mesh_shape, [(n.format(i=i), shape, pl) for i in range(copies) for n, shape, pl in templates]
+
+
+def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite):
+    from optimizer import Muon, QKClipConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh_shape, specs = _specs(case, copies)
+    mesh = init_device_mesh("cpu", mesh_shape)
+    params, grads = make_case_tensors(specs, 2)
+    named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
+             for n, _, pl in specs]
+    opt = Muon(build_groups(named), lr=0.02, skip_nonfinite=skip_nonfinite, replica_split="always",
+               qk_clip=QKClipConfig(head_dim=HEAD_DIM, threshold=1.0) if qk else None)
+    counts = []
+    for s in range(2):
+        for n, p in named:
+            p.grad = to_dtensor(grads[s][n], mesh, p.placements)
+        logits = qk_logits_for(specs, s, 1.0) if qk else None
+        if s == 0:
+            opt.step(qk_logits=logits)  # warm-up: builds the plan and the momentum buffers
+            continue
+        with SyncRecorder() as ops, HostReads() as reads:
+            opt.step(qk_logits=logits)
+        counts.append((ops.events, reads.events))
+    return counts[0], opt.last_step_stats.chunks
+
+
+@pytest.mark.parametrize("case, qk, skip", [
+    ("fsdp", True, True), ("fsdp_tp", True, False), ("experts", True, True), ("hsdp_split", True, True),
+    ("fsdp_tp", False, False),
+])
+def test_one_host_read_per_step_whatever_the_number_of_parameters(case, qk, skip):
+    for copies in (1, 3):
+        for (ops, reads), chunks in run_ranks(_watch_step, 4, case, copies, qk, skip, timeout=120):
+            assert ops == [], (case, copies, ops)
+            assert reads == ["tolist"], (case, copies, reads)  # the agreement's one read-back
+            assert chunks >= 1
+
+
+def test_the_recorder_sees_what_it_must():
+    """The watchers catch each kind of host read (so the test above can fail)."""
+    t = torch.arange(4.0)
+    with SyncRecorder() as ops, HostReads() as reads:
+        t.sum().item()
+        bool(t[0])
+        t.nonzero()
+        torch.equal(t, t)
+        t.tolist()
+        t.numpy()
+    assert ops.events.count("aten._local_scalar_dense.default") == 2
+    assert "aten.nonzero.default" in ops.events and "aten.equal.default" in ops.events
+    assert reads.events == ["tolist", "numpy"]
