@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .muon_math import apply_update_
-from .plan import Chunk, Owned, StepPlan
+from .plan import Chunk, Owned, StepPlan, unit_bytes
 from .qk_clip_plan import apply_clip_
 
 
@@ -357,7 +357,12 @@ def run_local(plan: StepPlan, steps: Sequence[ParamStep], stats: PipelineStats) 
     for job in plan.local:
         key = (id(steps[job.param].orthogonalize), job.shape, steps[job.param].buf.dtype)
         groups.setdefault(key, []).append(job)
-    for jobs in groups.values():
+    cap = plan.local_batch_bytes
+    batches = []
+    for jobs in groups.values():  # batched by shape, each batch within the memory bound
+        per = max(1, cap // max(1, unit_bytes(jobs[0].shape)))
+        batches += [jobs[k: k + per] for k in range(0, len(jobs), per)]
+    for jobs in batches:
         with stats.time("orthogonalize"):
             s0 = steps[jobs[0].param]
             stacked = s0.buf.new_empty((len(jobs), *jobs[0].shape))

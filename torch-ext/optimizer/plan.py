@@ -187,6 +187,27 @@ class StepPlan:
     peak_chunk_bytes: int = 0  # the largest buffer bytes of one chunk on this rank
     gather_all: list[GatherAll] = field(default_factory=list)
 
+    def memory_bound(self, lookahead: int) -> int:
+        """Extra bytes a step may hold at once on this rank: ``lookahead + 2`` chunks in the
+        pipeline (gathers ahead, the chunk being computed, the previous chunk's scatter), one
+        more while replica all-gathers are in flight; never more chunks than there are."""
+        exchanging = any(c.exchange_length for c in self.chunks)
+        in_flight = min(len(self.chunks), lookahead + 2 + int(exchanging))
+        return max(in_flight * self.peak_chunk_bytes, self.local_batch_bytes)
+
+    @property
+    def local_batch_bytes(self) -> int:
+        """What one batch of local units may hold (they run while the first gathers travel):
+        a chunk's worth, or one unit when a single unit is larger."""
+        largest = max((unit_bytes(j.shape) for j in self.local), default=0)
+        return max(self.peak_chunk_bytes, largest)
+
+
+def unit_bytes(shape: Sequence[int]) -> int:
+    """Bytes of one unit's orthogonalisation: its momentum update, Newton–Schulz's X, next X and
+    output, and A, B (m x m), at most 4 bytes an element."""
+    return 4 * (4 * math.prod(shape) + 2 * math.prod(shape[:-2]) * min(shape[-2:]) ** 2)
+
 
 # ----------------------------------------------------------------------------
 # Global part: units, owners, chunks (identical on every rank)
@@ -446,12 +467,15 @@ def _traffic(chunk: Chunk) -> tuple[int, int, int]:
     scatter_send = gather_recv
     sent = (chunk.send_numel - me_in_gather) + (scatter_send - chunk.segment)
     received = (gather_recv - chunk.segment) + (chunk.scatter_recv_numel - chunk.segment)
-    buffers = chunk.send_numel + 2 * gather_recv + scatter_send + chunk.scatter_recv_numel
+    # send, receive, the assembled matrices, the scatter's send and receive buffers
+    buffers = chunk.send_numel + 2 * gather_recv + scatter_send + max(chunk.scatter_recv_numel, chunk.exchange_length)
     if chunk.exchange_length:
         sent += chunk.exchange_length * (chunk.replica_size - 1)
         received += chunk.exchange_length * (chunk.replica_size - 1)
         buffers += chunk.exchange_length * chunk.replica_size
-    return sent * item, received * item, buffers * item
+    # Newton–Schulz on the owner: X, the next X and the output (numel each) and A, B (m x m),
+    # at most 4 bytes an element (fp32 compute)
+    return sent * item, received * item, buffers * item + sum(unit_bytes(o.shape) for o in chunk.owned)
 
 
 class _RankView:
