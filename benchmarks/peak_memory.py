@@ -22,7 +22,6 @@ import math
 import os
 import sys
 import tempfile
-import weakref
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -31,40 +30,8 @@ sys.path[:0] = [os.path.join(ROOT, "torch-ext")]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 MiB = 2**20
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of storages allocated inside the mode and still alive (views count once)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._track(t.untyped_storage())
-        return out
-
-    def _track(self, storage) -> None:
-        key = id(storage)
-        if key in self._seen or storage.nbytes() == 0:
-            return
-        self._seen.add(key)
-        size = storage.nbytes()
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key, size)
-
-    def _free(self, key: int, size: int) -> None:
-        self._seen.discard(key)
-        self.live -= size
 
 
 def _rank(rank, world, store_path, args, out_path):
@@ -74,6 +41,7 @@ def _rank(rank, world, store_path, args, out_path):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from optimizer import Muon
+    from optimizer.testing import LiveBytes
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(0)

@@ -6,7 +6,7 @@ proxy watches a step: a ``TorchDispatchMode`` records the synchronising aten ops
 (``_local_scalar_dense`` is what ``.item()``/``int()``/``float()``/``bool()`` become,
 plus ``nonzero``, ``equal``, ``is_nonzero``, and copies to the CPU from another device),
 and the Python entry points that read data without dispatching on CPU (``tolist``,
-``numpy``, ``cpu``) are wrapped and counted.  The one allowed read is the agreement's
+``numpy``, ``cpu``) are wrapped and counted (``optimizer.testing.HostSyncs``).  The one allowed read is the agreement's
 ``tolist`` of the summed vector.  ``scripts/gpu_check.sh`` runs the same step on CUDA
 under ``torch.cuda.set_sync_debug_mode("error")``.
 
@@ -18,55 +18,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_cases import HEAD_DIM, build_groups, make_case_tensors, parse_placement, qk_logits_for, to_dtensor
 from harness import run_ranks
-
-SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
-            "aten.is_nonzero.default"}
-
-
-class SyncRecorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.events: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if name in SYNC_OPS:
-            self.events.append(name)
-        elif name.startswith("aten._to_copy") or name.startswith("aten.copy_"):
-            src = args[1] if name.startswith("aten.copy_") else args[0]
-            dst_device = (kwargs or {}).get("device") if name.startswith("aten._to_copy") else args[0].device
-            if isinstance(src, torch.Tensor) and dst_device is not None and \
-                    torch.device(dst_device).type == "cpu" and src.device.type != "cpu":
-                self.events.append(f"{name} to cpu")
-        return func(*args, **(kwargs or {}))
-
-
-class HostReads:
-    """Counts Python-level reads of tensor data (invisible to dispatch on CPU)."""
-
-    NAMES = ("tolist", "numpy", "cpu")
-
-    def __init__(self):
-        self.events: list[str] = []
-
-    def __enter__(self):
-        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
-        for n, fn in self.saved.items():
-            def wrapped(t, *a, _n=n, _fn=fn, **k):
-                self.events.append(_n)
-                return _fn(t, *a, **k)
-            setattr(torch.Tensor, n, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        for n, fn in self.saved.items():
-            setattr(torch.Tensor, n, fn)
-        return False
-
+from optimizer.testing import HostSyncs, overlap_seconds
 
 Q, K = (16, 12), (8, 12)
 
@@ -109,9 +64,9 @@ def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite):
         if s == 0:
             opt.step(qk_logits=logits)  # warm-up: builds the plan and the momentum buffers
             continue
-        with SyncRecorder() as ops, HostReads() as reads:
+        with HostSyncs() as syncs:
             opt.step(qk_logits=logits)
-        counts.append((ops.events, reads.events))
+        counts.append(syncs.events)
     return counts[0], opt.last_step_stats.chunks
 
 
@@ -121,22 +76,29 @@ def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite):
 ])
 def test_one_host_read_per_step_whatever_the_number_of_parameters(case, qk, skip):
     for copies in (1, 3):
-        for (ops, reads), chunks in run_ranks(_watch_step, 4, case, copies, qk, skip, timeout=120):
-            assert ops == [], (case, copies, ops)
-            assert reads == ["tolist"], (case, copies, reads)  # the agreement's one read-back
+        for events, chunks in run_ranks(_watch_step, 4, case, copies, qk, skip, timeout=120):
+            assert events == ["tolist"], (case, copies, events)  # the agreement's one read-back
             assert chunks >= 1
 
 
 def test_the_recorder_sees_what_it_must():
-    """The watchers catch each kind of host read (so the test above can fail)."""
+    """The watcher catches each kind of host read (so the test above can fail)."""
     t = torch.arange(4.0)
-    with SyncRecorder() as ops, HostReads() as reads:
+    with HostSyncs() as syncs:
         t.sum().item()
         bool(t[0])
         t.nonzero()
         torch.equal(t, t)
         t.tolist()
         t.numpy()
-    assert ops.events.count("aten._local_scalar_dense.default") == 2
-    assert "aten.nonzero.default" in ops.events and "aten.equal.default" in ops.events
-    assert reads.events == ["tolist", "numpy"]
+    assert syncs.events == ["aten._local_scalar_dense.default"] * 2 + [
+        "aten.nonzero.default", "aten.equal.default", "tolist", "numpy"]
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0]  # and leaves tensors as they were afterwards
+
+
+def test_overlap_of_interval_sets():
+    assert overlap_seconds([(0, 10)], [(5, 15)]) == 5
+    assert overlap_seconds([(0, 2), (4, 6)], [(1, 5)]) == 2
+    assert overlap_seconds([(0, 3), (1, 4)], [(2, 10), (3, 5)]) == 2  # unions first: no double counting
+    assert overlap_seconds([(0, 1)], [(1, 2)]) == 0
+    assert overlap_seconds([], [(0, 1)]) == 0

@@ -51,13 +51,17 @@ def muon_momentum_(buf: Tensor, grad: Tensor, momentum: float, nesterov: bool) -
 
 
 def apply_update_(
-    param: Tensor, update: Tensor, lr: float, adjusted_lr: float, weight_decay: float
+    param: Tensor, update: Tensor, lr: float | Tensor, adjusted_lr: float | Tensor, weight_decay: float
 ) -> None:
     """Decoupled weight decay with the *unadjusted* lr, then ``param -= adjusted_lr * update``.
 
     Weight decay uses ``lr`` (not ``adjusted_lr``) exactly as torch.optim.Muon does. ``update``
-    may be in a lower precision than ``param`` (bf16 NS output); ``add_`` promotes it.
+    may be in a lower precision than ``param`` (bf16 NS output); ``add_`` promotes it.  ``lr``
+    may be a 0-d tensor (schedulers, compiled steps): it is used as a tensor, never read.
     """
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
-    param.add_(update, alpha=-adjusted_lr)
+    if isinstance(adjusted_lr, Tensor):
+        param.addcmul_(update, adjusted_lr.to(param.dtype), value=-1)
+    else:
+        param.add_(update, alpha=-adjusted_lr)
