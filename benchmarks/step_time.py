@@ -5,12 +5,17 @@ Launch one process per rank (gloo on CPU, NCCL when CUDA is available)::
     torchrun --nproc-per-node 2 benchmarks/step_time.py
     torchrun --nproc-per-node 4 benchmarks/step_time.py --mesh 2,2 --layout strided
     torchrun --nproc-per-node 4 benchmarks/step_time.py --config configs/fsdp_tp.toml
+    torchrun --nproc-per-node 4 benchmarks/step_time.py --mesh 2,2 --layout hsdp      # (Replicate, Shard(0))
+    torchrun --nproc-per-node 4 benchmarks/step_time.py --layout replicated           # (Replicate(),): DDP-style
 
 In one launch, on the same parameters (a transformer's weight matrices, sharded
 FSDP-style ``Shard(0)`` on a 1-D mesh by default) and the same random
 gradients, it times ``optimizer.step()`` of
 
-  * parallel   this project's Muon, ``distributed_mode="parallel"``;
+  * parallel   this project's Muon, ``distributed_mode="parallel"`` (matrices held by
+               several replicas are split over them, ``replica_split="auto"``);
+  * repeat     the same with ``replica_split="never"``: every replica orthogonalises
+               its own copy (the path before the split; only with replicas);
   * gather     the same Muon, ``distributed_mode="gather"`` (every rank
                gathers every matrix: the baseline parallel Muon must beat);
   * torch      ``torch.optim.Muon`` on the same DTensors (DTensor dispatch
@@ -60,15 +65,16 @@ sys.path.insert(0, str(_REPO / "torch-ext"))
 from optimizer import Muon, QKClipConfig  # noqa: E402
 from optimizer.newton_schulz import default_compute_dtype, newton_schulz_flops  # noqa: E402
 
-VARIANTS = ("parallel", "gather", "torch", "adamw")
+VARIANTS = ("parallel", "repeat", "gather", "torch", "adamw")
 VARIANT_LABELS = {
     "parallel": "parallel Muon (this project)",
+    "repeat": "parallel Muon, replicas repeat the work",
     "gather": "gather-everything Muon (this project)",
     "torch": "torch.optim.Muon on DTensors",
     "adamw": "torch.optim.AdamW (floor)",
 }
-STAGES = ("gather", "orthogonalize", "scatter", "update", "qk_clip")
-LAYOUTS = ("fsdp_tp", "strided", "s0s1")
+STAGES = ("gather", "orthogonalize", "scatter", "exchange", "update", "qk_clip")
+LAYOUTS = ("fsdp_tp", "strided", "s0s1", "hsdp", "replicated")
 # Same hyper-parameters for every variant (the values do not change the cost).
 LR, WEIGHT_DECAY, MOMENTUM = 0.02, 0.1, 0.95
 QK_THRESHOLD = 100.0
@@ -128,8 +134,13 @@ def mesh_from_config(path: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return tuple(int(mesh[d]) for d in names), names
 
 
-def mesh_from_flag(text: str, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """``--mesh 4`` (dp_shard) or ``--mesh 2,2`` (dp_shard, tp); default: all ranks on dp_shard."""
+def mesh_from_flag(text: str, world_size: int, layout: str = "fsdp_tp") -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``--mesh 4`` (dp_shard) or ``--mesh 2,2`` (dp_shard, tp); default: all ranks on dp_shard.
+
+    ``--layout hsdp`` reads two degrees as (dp_replicate, dp_shard); ``--layout replicated``
+    puts every rank on dp_replicate (one degree)."""
+    if layout == "replicated":
+        return (int(text) if text else world_size,), ("dp_replicate",)
     if not text:
         return (world_size,), ("dp_shard",)
     try:
@@ -139,7 +150,7 @@ def mesh_from_flag(text: str, world_size: int) -> tuple[tuple[int, ...], tuple[s
     if len(shape) == 1:
         return shape, ("dp_shard",)
     if len(shape) == 2:
-        return shape, ("dp_shard", "tp")
+        return shape, ("dp_replicate", "dp_shard") if layout == "hsdp" else ("dp_shard", "tp")
     raise ValueError(f"--mesh takes 1 or 2 degrees (dp_shard[,tp]), got {text!r}")
 
 
@@ -215,9 +226,11 @@ def torch_muon_ns_dtype(dtype: torch.dtype | None):
 
 def make_optimizer(variant: str, named: list[tuple[str, torch.nn.Parameter]], head_dim: int, qk_clip: bool):
     params = [p for _, p in named]
-    if variant in ("parallel", "gather"):
+    if variant in ("parallel", "repeat", "gather"):
         groups = [{"params": params, "param_names": [n for n, _ in named], "use_muon": True}]
-        return Muon(groups, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, distributed_mode=variant,
+        return Muon(groups, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
+                    distributed_mode="gather" if variant == "gather" else "parallel",
+                    replica_split="never" if variant == "repeat" else "auto",
                     qk_clip=QKClipConfig(head_dim=head_dim, threshold=QK_THRESHOLD) if qk_clip else None)
     if variant == "torch":
         return torch.optim.Muon(params, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
@@ -273,7 +286,7 @@ class VariantRun:
     def __init__(self, variant, specs, mesh, mesh_names, args, device):
         self.variant, self.device = variant, device
         named = build_params(specs, mesh, mesh_names, args.layout, device, args.seed)
-        qk = variant in ("parallel", "gather") and not args.no_qk_clip
+        qk = variant in ("parallel", "repeat", "gather") and not args.no_qk_clip
         self.opt = make_optimizer(variant, named, args.head_dim, qk)
         self.kwargs = {"qk_logits": qk_logits_for(specs, args.head_dim)} if qk else {}
         self.ns_dtype = resolve_torch_muon_dtype(args.torch_muon_dtype, device) if variant == "torch" else None
@@ -293,7 +306,8 @@ class VariantRun:
         if isinstance(self.opt, Muon):
             st = self.opt.last_step_stats
             self.stats.append(dict(seconds=dict(st.seconds), bytes_sent=st.bytes_sent,
-                                   bytes_received=st.bytes_received, all_to_alls=st.all_to_alls, chunks=st.chunks))
+                                   bytes_received=st.bytes_received, all_to_alls=st.all_to_alls,
+                                   all_gathers=st.all_gathers, chunks=st.chunks))
 
 
 def _agree_on_errors(errors: dict[str, str], world_size: int) -> dict[str, str]:
@@ -365,7 +379,7 @@ def stage_summary(stats: list[dict], step_times: list[float]) -> dict:
     seconds["other"] = statistics.median(others)
     last = stats[-1]
     return dict(seconds=seconds, bytes_sent=last["bytes_sent"], bytes_received=last["bytes_received"],
-                all_to_alls=last["all_to_alls"], chunks=last["chunks"])
+                all_to_alls=last["all_to_alls"], all_gathers=last["all_gathers"], chunks=last["chunks"])
 
 
 def hardware(device: torch.device, world_size: int, threads: int) -> dict:
@@ -420,17 +434,22 @@ def render_markdown(result: dict) -> str:
         ratios = [f"{row[k]:.2f}x" if row.get(k) is not None else "-" for k in ("ratio_to_parallel", "paired_ratio_median")]
         lines.append(f"| {VARIANT_LABELS[v]} | {t['median_s']:.4f} | {t['p25_s']:.4f}–{t['p75_s']:.4f} | "
                      f"{t['min_s']:.4f}–{t['max_s']:.4f} | {ratios[0]} | {ratios[1]} |")
-    for v in ("parallel", "gather"):
+    split = result["results"].get("parallel", {})
+    repeat = result["results"].get("repeat", {})
+    if "time" in split and "time" in repeat:
+        lines += ["", f"Split over replicas vs replicas repeating the work: **{split['time']['median_s'] / repeat['time']['median_s']:.2f}x** "
+                  f"(medians; paired {1 / repeat['paired_ratio_median']:.2f}x)."]
+    for v in ("parallel", "repeat", "gather"):
         per_rank = result["results"].get(v, {}).get("stages_per_rank")
         if not per_rank:
             continue
         lines += ["", f"## {VARIANT_LABELS[v]}: stages per rank (median seconds; bytes of the last step)", ""]
-        lines.append("| rank | " + " | ".join(STAGES) + " | other | sent | received | all_to_alls |")
-        lines.append("|---" * (len(STAGES) + 5) + "|")
+        lines.append("| rank | " + " | ".join(STAGES) + " | other | sent | received | all_to_alls | all_gathers |")
+        lines.append("|---" * (len(STAGES) + 6) + "|")
         for r, st in enumerate(per_rank):
             secs = " | ".join(f"{st['seconds'][k]:.4f}" for k in (*STAGES, "other"))
             lines.append(f"| {r} | {secs} | {_fmt_bytes(st['bytes_sent'])} | {_fmt_bytes(st['bytes_received'])} | "
-                         f"{st['all_to_alls']} |")
+                         f"{st['all_to_alls']} | {st['all_gathers']} |")
     lines += ["", "Variants were stepped in turn (one round = one step of each), after warm-up; 'paired' is the "
               "median over rounds of the step time divided by parallel Muon's in the same round.",
               "", "Stage times are wall time on the rank (a wait shows up in the stage that waits); the gather "
@@ -487,7 +506,7 @@ def run(args, rank: int, world_size: int, device: torch.device) -> dict | None:
     if args.config:
         mesh_shape, mesh_names = mesh_from_config(args.config)
     else:
-        mesh_shape, mesh_names = mesh_from_flag(args.mesh, world_size)
+        mesh_shape, mesh_names = mesh_from_flag(args.mesh, world_size, args.layout)
     if math.prod(mesh_shape) != world_size:
         raise SystemExit(f"mesh {mesh_names}={mesh_shape} needs {math.prod(mesh_shape)} ranks but the world size "
                          f"is {world_size}; launch that many ranks or change --mesh/--config")
@@ -495,6 +514,8 @@ def run(args, rank: int, world_size: int, device: torch.device) -> dict | None:
     kv_heads = args.kv_heads or args.dim // args.head_dim
     specs = transformer_matrices(args.dim, args.layers, args.ffn_dim, args.head_dim, kv_heads)
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
+    if "dp_replicate" not in mesh_names and "repeat" in variants:
+        variants.remove("repeat")  # no replicas: the same as parallel
 
     runs, failed = measure(variants, specs, mesh, mesh_names, args, device, world_size)
     results: dict[str, dict] = {}
@@ -522,9 +543,9 @@ def run(args, rank: int, world_size: int, device: torch.device) -> dict | None:
     shapes = sorted({s.shape for s in specs})
     compute_dtype = default_compute_dtype(device)
     result = dict(
-        tag=args.tag or f"ws{world_size}_{'x'.join(map(str, mesh_shape))}_{args.layout if 'tp' in mesh_names else 'fsdp'}",
+        tag=args.tag or f"ws{world_size}_{'x'.join(map(str, mesh_shape))}_{_layout_name(args.layout, mesh_names)}",
         hardware=hardware(device, world_size, args.threads),
-        mesh=dict(names=list(mesh_names), shape=list(mesh_shape), layout=args.layout if "tp" in mesh_names else "fsdp"),
+        mesh=dict(names=list(mesh_names), shape=list(mesh_shape), layout=_layout_name(args.layout, mesh_names)),
         sizes=dict(
             matrices=len(specs),
             distinct_shapes=", ".join(f"{sum(s.shape == sh for s in specs)}x{sh[0]}x{sh[1]}" for sh in shapes),
@@ -548,6 +569,12 @@ def run(args, rank: int, world_size: int, device: torch.device) -> dict | None:
     (out / f"step_time_{result['tag']}.md").write_text(md)
     print(md, flush=True)
     return result
+
+
+def _layout_name(layout: str, mesh_names) -> str:
+    if "tp" in mesh_names or layout in ("hsdp", "replicated"):
+        return layout
+    return "hsdp" if "dp_replicate" in mesh_names else "fsdp"
 
 
 def main(argv=None) -> None:

@@ -52,8 +52,9 @@ def test_step_time_fsdp_two_ranks(tmp_path):
     result = json.loads((tmp_path / "step_time_smoke.json").read_text())
     md = (tmp_path / "step_time_smoke.md").read_text()
 
-    assert result["variants"] == list(step_time.VARIANTS)
-    for v in step_time.VARIANTS:
+    no_replicas = [v for v in step_time.VARIANTS if v != "repeat"]  # a 1-D FSDP mesh has no replicas
+    assert result["variants"] == no_replicas
+    for v in no_replicas:
         row = result["results"][v]
         assert "error" not in row, row  # all four run on Shard(0) DTensors in torch 2.13
         assert row["time"]["n"] == 2 and 0 < row["time"]["min_s"] <= row["time"]["median_s"] <= row["time"]["max_s"]
@@ -83,6 +84,45 @@ def test_step_time_2d_mesh_from_config(tmp_path):
     assert result["mesh"] == {"names": ["dp_shard", "tp"], "shape": [2, 2], "layout": "fsdp_tp"}
     assert len(result["results"]["parallel"]["stages_per_rank"]) == 4
     assert result["results"]["gather"]["ratio_to_parallel"] > 0
+
+
+def test_step_time_hsdp_split_against_repeating_replicas(tmp_path):
+    step_time = _load("step_time")
+    argv = [*TINY, "--mesh", "2,2", "--layout", "hsdp", "--variants", "parallel,repeat", "--out", str(tmp_path)]
+    run_ranks(_step_time_rank, 4, argv, timeout=90)
+    result = json.loads((tmp_path / "step_time_ws4_2x2_hsdp.json").read_text())
+    assert result["mesh"] == {"names": ["dp_replicate", "dp_shard"], "shape": [2, 2], "layout": "hsdp"}
+    split, repeat = result["results"]["parallel"], result["results"]["repeat"]
+    assert all(st["all_gathers"] > 0 for st in split["stages_per_rank"])  # updates cross replicas
+    assert all(st["all_gathers"] == 0 for st in repeat["stages_per_rank"])
+    # Over the world, bytes sent equal bytes received (each path moves what it moves once).
+    for row in (split, repeat):
+        assert sum(st["bytes_sent"] for st in row["stages_per_rank"]) == sum(
+            st["bytes_received"] for st in row["stages_per_rank"])
+    assert "Split over replicas vs replicas repeating the work" in (tmp_path / "step_time_ws4_2x2_hsdp.md").read_text()
+
+
+def test_host_overhead_runs_on_a_fake_world(tmp_path):
+    import subprocess
+
+    script = _BENCH / "host_overhead.py"
+    subprocess.run([sys.executable, str(script), "--worlds", "8", "64", "--params", "20", "--steps", "1",
+                    "--out", str(tmp_path)], check=True, timeout=120, capture_output=True)
+    rows = json.loads((tmp_path / "host_overhead.json").read_text())
+    assert {(r["layout"], r["world"]) for r in rows} == {(lay, w) for lay in ("fsdp", "fsdp_tp") for w in (8, 64)}
+    assert all(r["ms"] > 0 and r["ratio"] > 0 for r in rows)
+    assert "target <= 1.5x" in (tmp_path / "host_overhead.md").read_text()
+
+
+def test_peak_memory_stays_within_the_plans_bound(tmp_path):
+    import subprocess
+
+    script = _BENCH / "peak_memory.py"
+    done = subprocess.run([sys.executable, str(script), "--ranks", "2", "--experts", "4", "--out", str(tmp_path)],
+                          timeout=120, capture_output=True, text=True)
+    rows = json.loads((tmp_path / "peak_memory.json").read_text())
+    assert len(rows) == 2 and all(0 < r["peak"] <= r["bound"] for r in rows), rows
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_placements_follow_fully_shard_over_tp():
