@@ -523,7 +523,12 @@ def _in_blocks(orthogonalize: Callable, blocks, adjust_lr_mode) -> Callable:
     """Orthogonalise each declared row block of a matrix on its own (fused q/k/v, per head)."""
 
     def orthogonalize_blocks(x: torch.Tensor) -> torch.Tensor:
-        return orthogonalize_in_blocks(x, blocks, orthogonalize, adjust_lr_mode=adjust_lr_mode)
+        if x.ndim == 2:
+            return orthogonalize_in_blocks(x, blocks, orthogonalize, adjust_lr_mode=adjust_lr_mode)
+        # a batch of this one parameter's matrices (the pipeline batches by parameter)
+        flat = x.reshape(-1, *x.shape[-2:])
+        out = [orthogonalize_in_blocks(m, blocks, orthogonalize, adjust_lr_mode=adjust_lr_mode) for m in flat]
+        return torch.stack(out).view(x.shape)
 
     return orthogonalize_blocks
 
