@@ -8,9 +8,8 @@ heads and takes the strongest clip of its group.  MLA (DeepSeek-V3, Kimi K2) and
 weights are described in ``attention_layouts.py``; the per-row rule and the per-step math are in
 ``qk_clip_plan.py``.
 
-This module holds the user-facing pieces: :class:`QKClipConfig`, name classification, the report,
-and the original per-head helpers (``head_scales``, ``scale_rows_by_head_``, ``plan_qk_clip``),
-kept for callers of the separate-q/k path.
+This module holds the user-facing pieces: :class:`QKClipConfig`, name classification and the
+report.
 """
 
 from __future__ import annotations
@@ -249,145 +248,6 @@ def classify_qk_param(name: str, cfg: QKClipConfig) -> QKRole | None:
     return (layer, kind)
 
 
-def num_heads(param_name: str, rows: int, head_dim: int) -> int:
-    """Heads in a q/k weight with ``rows`` output rows; errors if rows is not a multiple."""
-    if rows % head_dim != 0:
-        raise ValueError(
-            f"QK-clip: {param_name!r} has {rows} rows, not a multiple of head_dim={head_dim}; "
-            "set QKClipConfig.head_dim to the per-head size of this projection"
-        )
-    return rows // head_dim
-
-
-def head_scales(logits: Tensor, threshold: float) -> Tensor:
-    """Per-head factor ``sqrt(min(1, threshold / logit))`` for q and k rows (1 if not over).
-
-    Non-finite logits are not clipped (NaN compares false); callers that care check first.
-    """
-    logits = logits.detach().float()
-    over = logits > threshold
-    # where() evaluates both branches: keep the sqrt argument positive on heads not over.
-    safe = torch.where(over, logits, torch.full_like(logits, threshold))
-    return torch.where(over, torch.sqrt(threshold / safe), torch.ones_like(logits))
-
-
-def kv_head_scales(q_scales: Tensor, num_kv_heads: int) -> Tensor:
-    """Scale for each key head: the minimum over the query heads that share it.
-
-    Query head ``h`` uses key head ``h // (num_q_heads // num_kv_heads)`` (the layout of
-    ``repeat_interleave`` in HF / torchtitan GQA). With MHA this is ``q_scales`` itself.
-    """
-    n_q = q_scales.numel()
-    if num_kv_heads <= 0 or n_q % num_kv_heads != 0:
-        raise ValueError(
-            f"QK-clip: {n_q} query heads cannot be grouped over {num_kv_heads} key heads; "
-            "the number of query heads must be a multiple of the number of key heads"
-        )
-    return q_scales.reshape(num_kv_heads, n_q // num_kv_heads).amin(dim=1)
-
-
-def scale_rows_by_head_(
-    local_weight: Tensor, row_index: slice | Tensor, head_dim: int, scales: Tensor
-) -> None:
-    """Multiply each local row by the scale of its global head, in place.
-
-    ``row_index`` gives the *global* row index of every local row, in local order: a ``slice``
-    (a contiguous shard: ``slice(start, stop)``) or a 1-D LongTensor (any layout, e.g. the
-    interleaved rows of a ``_StridedShard``). Row ``r`` belongs to head ``r // head_dim`` and is
-    scaled by ``scales[r // head_dim]``. ``local_weight`` is a plain tensor (``dtensor.to_local()``).
-    """
-    if DTensor is not None and isinstance(local_weight, DTensor):
-        raise TypeError(
-            "scale_rows_by_head_ expects the local shard; pass dtensor.to_local() and the "
-            "global row indices it holds"
-        )
-    if local_weight.ndim < 1:
-        raise ValueError("scale_rows_by_head_: local_weight must have a row dimension")
-    n_local = local_weight.shape[0]
-    n_rows = scales.numel() * head_dim
-    scales = scales.to(device=local_weight.device)
-
-    if isinstance(row_index, slice):
-        bad = any(v is not None and v < 0 for v in (row_index.start, row_index.stop))
-        if bad or (row_index.stop is not None and row_index.stop > n_rows) or (row_index.step or 1) <= 0:
-            raise ValueError(
-                f"scale_rows_by_head_: row slice {row_index} is outside the {n_rows} global rows "
-                f"({scales.numel()} heads x head_dim {head_dim})"
-            )
-        start, stop, step = row_index.indices(n_rows)
-        count = len(range(start, stop, step))
-        if count != n_local:
-            raise ValueError(
-                f"scale_rows_by_head_: row slice {row_index} names {count} rows but the local "
-                f"tensor has {n_local}"
-            )
-        if n_local == 0:
-            return
-        if step == 1 and start % head_dim == 0 and stop % head_dim == 0:
-            # Whole heads: view as [heads, head_dim, ...] and broadcast one scale per head.
-            h0, h1 = start // head_dim, stop // head_dim
-            per_head = scales[h0:h1].reshape(-1, *([1] * local_weight.ndim))
-            local_weight.view(h1 - h0, head_dim, *local_weight.shape[1:]).mul_(per_head)
-            return
-        rows = torch.arange(start, stop, step, device=local_weight.device)
-    elif isinstance(row_index, Tensor):
-        if row_index.ndim != 1 or row_index.numel() != n_local:
-            raise ValueError(
-                f"scale_rows_by_head_: row_index must be a 1-D tensor with one global row index "
-                f"per local row ({n_local}), got shape {tuple(row_index.shape)}"
-            )
-        if row_index.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"scale_rows_by_head_: row_index must be an integer tensor, got {row_index.dtype}")
-        if n_local == 0:
-            return
-        # Bounds are checked where that is free (CPU indices, as local_indices returns); on an
-        # accelerator it would cost a host sync per weight.
-        if row_index.device.type == "cpu" and (int(row_index.min()) < 0 or int(row_index.max()) >= n_rows):
-            raise ValueError(
-                f"scale_rows_by_head_: row indices must lie in [0, {n_rows}) "
-                f"({scales.numel()} heads x head_dim {head_dim})"
-            )
-        rows = row_index.to(local_weight.device)
-    else:
-        raise TypeError(
-            f"scale_rows_by_head_: row_index must be a slice or a 1-D LongTensor, got {type(row_index)}"
-        )
-    per_row = scales[rows // head_dim].reshape(-1, *([1] * (local_weight.ndim - 1)))
-    local_weight.mul_(per_row)
-
-
-def check_layer_logits(layer_idx: int, logits, num_q_heads: int, q_param_name: str) -> Tensor:
-    """Validate ``qk_logits[layer_idx]`` for a layer whose query weight is ``q_param_name``."""
-    if not isinstance(logits, Tensor):
-        raise TypeError(
-            f"qk_logits[{layer_idx}] must be a 1-D tensor of per-query-head max logits for "
-            f"{q_param_name!r} ({num_q_heads} heads), got {type(logits).__name__}"
-        )
-    if logits.ndim != 1 or logits.numel() != num_q_heads:
-        raise ValueError(
-            f"qk_logits[{layer_idx}] has shape {tuple(logits.shape)}, but layer {layer_idx}'s query "
-            f"weight {q_param_name!r} has {num_q_heads} heads (rows // head_dim); pass a 1-D tensor "
-            f"of length {num_q_heads} holding each query head's max attention logit (reduce over "
-            "batch and positions, and over ranks when heads are sharded)"
-        )
-    return logits
-
-
-def check_qk_logits(qk_logits) -> Mapping[int, Tensor]:
-    """``qk_logits`` must map int layer indices to tensors."""
-    if not isinstance(qk_logits, Mapping):
-        raise TypeError(
-            f"qk_logits must be a dict {{layer_idx: 1-D tensor of per-query-head max logits}}, "
-            f"got {type(qk_logits).__name__}"
-        )
-    for key in qk_logits:
-        if isinstance(key, bool) or not isinstance(key, int):
-            raise TypeError(
-                f"qk_logits keys must be int layer indices (as in 'layers.3.'), got {key!r}"
-            )
-    return qk_logits
-
-
 class QKClipReport:
     """What one step's QK-clip did: per layer, how many query heads were clipped and the max logit.
 
@@ -461,18 +321,6 @@ class QKClipReport:
         return f"QKClipReport(threshold={self.threshold:g}, {state}, skipped_layers={self.skipped_layers})"
 
 
-def build_report(qk_logits: Mapping[int, Tensor], threshold: float) -> QKClipReport:
-    """Summarise ``qk_logits`` against ``threshold`` (one host sync per layer)."""
-    report = QKClipReport(threshold=float(threshold))
-    for layer, logits in qk_logits.items():
-        flat = logits.detach().float().reshape(-1)
-        if flat.numel() == 0:
-            continue
-        report.clipped_heads[layer] = int((flat > threshold).sum())
-        report.max_logit[layer] = float(flat.max())
-    return report
-
-
 def log_report(report: QKClipReport, step: int | None = None, level: int = logging.INFO) -> None:
     """Log one line for ``report`` on the ``optimizer.qk_clip`` logger."""
     if logger.isEnabledFor(level):
@@ -481,68 +329,3 @@ def log_report(report: QKClipReport, step: int | None = None, level: int = loggi
 
 
 # --------------------------------------------------------------------------- per-step planning
-
-
-def plan_qk_clip(
-    qk_logits: Mapping[int, Tensor] | None,
-    named_params: Sequence[tuple[str, Tensor]],
-    cfg: QKClipConfig | None,
-) -> tuple[dict[str, tuple[Tensor, int]], QKClipReport | None, list[str]]:
-    """Validate one step's ``qk_logits`` and compute, per q/k weight, its per-head scales.
-
-    ``named_params`` are the (name, parameter) pairs QK-clip may touch (the
-    Muon groups').  Returns ``({weight name: (scales over its global heads,
-    head_dim)}, report, errors)``; errors are returned, not raised, so the
-    caller can agree across ranks before raising.
-    """
-    if qk_logits is None:
-        return {}, None, []
-    if cfg is None:
-        return {}, None, ["Muon.step: qk_logits was passed but QK-clip is not configured; pass "
-                          "qk_clip=QKClipConfig(head_dim=..., threshold=...) to Muon, or stop passing qk_logits."]
-    errors: list[str] = []
-    try:
-        check_qk_logits(qk_logits)
-        layers: dict[int, dict[str, tuple[str, Tensor]]] = {}
-        for name, p in named_params:
-            role = classify_qk_param(name, cfg)
-            if role is not None:
-                layers.setdefault(role[0], {})[role[1]] = (name, p)
-    except (TypeError, ValueError) as err:
-        return {}, None, [f"Muon.step: {err}"]
-    plan: dict[str, tuple[Tensor, int]] = {}
-    checked: dict[int, Tensor] = {}
-    for layer, logits in qk_logits.items():
-        if "q" not in layers.get(layer, {}):
-            errors.append(
-                f"Muon.step: qk_logits has layer {layer!r}, but no query weight of that layer is in a Muon "
-                f"group (known layers: {sorted(layers)}); pass logits only for layers whose q/k weights this "
-                "optimizer updates, or set QKClipConfig patterns/classify so their names are recognised."
-            )
-            continue
-        q_name, q = layers[layer]["q"]
-        n_q = q.shape[0] // cfg.head_dim
-        try:
-            logits = check_layer_logits(layer, logits, n_q, q_name).detach().float().cpu()
-        except (TypeError, ValueError) as err:
-            errors.append(f"Muon.step: {err}")
-            continue
-        if not torch.isfinite(logits).all():
-            errors.append(f"Muon.step: qk_logits[{layer}] contains NaN/Inf; pass finite per-head max logits")
-            continue
-        checked[layer] = logits
-        q_scales = head_scales(logits, cfg.threshold)
-        plan[q_name] = (q_scales, cfg.head_dim)
-        if "k" in layers[layer]:
-            k_name, k = layers[layer]["k"]
-            n_kv = k.shape[0] // cfg.head_dim
-            if n_kv == 0 or n_q % n_kv != 0:
-                errors.append(
-                    f"Muon.step: '{k_name}' has {k.shape[0]} rows = {n_kv} heads of head_dim "
-                    f"{cfg.head_dim}, which does not divide the {n_q} query heads; check QKClipConfig.head_dim"
-                )
-                continue
-            plan[k_name] = (kv_head_scales(q_scales, n_kv), cfg.head_dim)
-    if errors:
-        return {}, None, errors
-    return plan, build_report(checked, cfg.threshold), []
