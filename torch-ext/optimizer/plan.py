@@ -273,7 +273,7 @@ def _units(p: PlanParam, batch: tuple[int, ...], count: int, max_cost: float, ma
 
 def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool) -> list[_Job]:
     """Jobs of one pattern, with owners (LPT among each job's candidates)."""
-    lay0 = params[0].layout
+    lay0 = params[members[0]].layout
     world = lay0.grid.ranks
     whole: list[tuple[int, tuple, int]] = []  # (param, batch coordinate, local expert count)
     total_cost = total_bytes = 0.0
@@ -350,25 +350,41 @@ class WorldJob:
     split: bool  # one job for every replica (True) or one per replica
 
 
-def world_jobs(params: Sequence[PlanParam], settings: PlanSettings) -> list[list[WorldJob]]:
+def world_jobs(params: Sequence[PlanParam], settings: PlanSettings) -> list[tuple[list[WorldJob], list[list[int]]]]:
     """Every pattern's jobs with their owners, and the pattern's chunks (lists of job indices).
 
     Pure and rank-independent: the part of :func:`build_plan` that is the same on every
     rank.  Returns ``[(jobs, chunks)]`` per pattern, in plan order; parameters that are
     orthogonalised where they are (no communication) are not included.
     """
-    patterns: dict[tuple, list[int]] = {}
-    for i, p in enumerate(params):
-        split = p.layout is not None and _wants_split(p, p.shape if len(p.shape) < 3 else (1, *p.shape[1:]), settings)
-        if not is_local(p, split):
-            patterns.setdefault(_pattern_key(p, split), []).append(i)
+    _, _, patterns = _classify(params, settings)
     out = []
-    for key, members in sorted(patterns.items(), key=lambda kv: kv[1][0]):
-        jobs = _pattern_jobs(params, members, settings, key[-1])
-        lay = params[members[0]].layout
-        chunks = cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], settings.chunk_size or len(lay.grid.ranks))
-        out.append(([WorldJob(j.param, j.shape, j.cost, j.owner, key[-1]) for j in jobs], chunks))
+    for key, members in patterns:
+        jobs, order = _pattern_chunks(params, members, settings, key[-1])
+        out.append(([WorldJob(j.param, j.shape, j.cost, j.owner, key[-1]) for j in jobs], order))
     return out
+
+
+def _classify(params: Sequence[PlanParam], settings: PlanSettings):
+    """Which parameters are orthogonalised where they are, which the baseline gathers
+    whole, and the patterns (``[(key, member indices)]`` in parameter order) of the rest."""
+    local, gather_all, patterns = [], [], {}
+    for i, p in enumerate(params):
+        if settings.mode == "gather":
+            (gather_all if p.layout is not None and p.layout.shard_group_size > 1 else local).append(i)
+            continue
+        split = p.layout is not None and _wants_split(p, p.shape if len(p.shape) < 3 else (1, *p.shape[1:]), settings)
+        if is_local(p, split):
+            local.append(i)
+        else:
+            patterns.setdefault(_pattern_key(p, split), []).append(i)
+    return local, gather_all, sorted(patterns.items(), key=lambda kv: kv[1][0])
+
+
+def _pattern_chunks(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool):
+    jobs = _pattern_jobs(params, members, settings, split)
+    chunk_size = settings.chunk_size or len(params[members[0]].layout.grid.ranks)
+    return jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size)
 
 
 # ----------------------------------------------------------------------------
@@ -388,45 +404,31 @@ def build_plan(
     or replica group (``distributed.groups.group_for``); planning itself never
     communicates.
     """
-    local: list[LocalJob] = []
-    patterns: dict[tuple, list[int]] = {}
-    load = 0.0
-    gather_all: list[GatherAll] = []
-    for i, p in enumerate(params):
-        split = p.layout is not None and _wants_split(p, p.shape if len(p.shape) < 3 else (1, *p.shape[1:]), settings)
-        if settings.mode == "gather" and p.layout is not None and p.layout.shard_group_size > 1:
-            gather_all.append(_gather_all(params, i, rank, resolve_group))
-            continue
-        if settings.mode == "gather":
-            split = False
-        if is_local(p, split):
-            shape = _local_shape(p, rank)
-            if math.prod(shape) > 0:
-                local.append(LocalJob(i, (), shape))
-                load += p.cost(shape)
-            continue
-        patterns.setdefault(_pattern_key(p, split), []).append(i)
-
-    chunks: list[Chunk] = []
-    jobs_total = owned_total = 0
-    sent = received = peak = 0
-    for pattern_index, (key, members) in enumerate(sorted(patterns.items(), key=lambda kv: kv[1][0])):
+    local_ix, gather_ix, patterns = _classify(params, settings)
+    plan = StepPlan()
+    for i in local_ix:
+        shape = _local_shape(params[i], rank)
+        if math.prod(shape) > 0:
+            plan.local.append(LocalJob(i, (), shape))
+            plan.load += params[i].cost(shape)
+    for i in gather_ix:
+        plan.gather_all.append(_gather_all(params, i, rank, resolve_group))
+        plan.load += params[i].cost(params[i].shape)
+    for pattern_index, (key, members) in enumerate(patterns):
         split = key[-1]
-        jobs = _pattern_jobs(params, members, settings, split)
-        jobs_total += len(jobs)
-        lay = params[members[0]].layout
-        chunk_size = settings.chunk_size or len(lay.grid.ranks)
-        order = cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size)
-        view = _RankView(params, lay, rank, split, resolve_group, params[members[0]])
+        jobs, order = _pattern_chunks(params, members, settings, split)
+        plan.jobs += len(jobs)
+        view = _RankView(params, params[members[0]].layout, rank, split, resolve_group, params[members[0]])
         for chunk_jobs in order:
             chunk = view.chunk(pattern_index, [jobs[k] for k in chunk_jobs])
-            chunks.append(chunk)
-            owned_total += len(chunk.owned)
-            load += sum(params[o.param].cost(o.shape) for o in chunk.owned)
-            s, r, b = _traffic(chunk)
-            sent, received, peak = sent + s, received + r, max(peak, b)
-    load += sum(params[g.param].cost(params[g.param].shape) for g in gather_all)
-    return StepPlan(local, chunks, jobs_total, owned_total, load, sent, received, peak, gather_all)
+            plan.chunks.append(chunk)
+            plan.owned += len(chunk.owned)
+            plan.load += sum(params[o.param].cost(o.shape) for o in chunk.owned)
+            sent, received, buffers = _traffic(chunk)
+            plan.bytes_sent += sent
+            plan.bytes_received += received
+            plan.peak_chunk_bytes = max(plan.peak_chunk_bytes, buffers)
+    return plan
 
 
 def _gather_all(params: Sequence[PlanParam], i: int, rank: int, resolve_group) -> GatherAll:
