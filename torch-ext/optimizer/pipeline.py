@@ -163,9 +163,6 @@ class _Flight:
 
 
 def _all_to_all(recv, send, recv_splits, send_splits, chunk: Chunk, stats: PipelineStats):
-    if chunk.shard_group is None:  # one member: it is its own owner
-        recv.copy_(send) if recv.data_ptr() != send.data_ptr() else None
-        return None
     stats.all_to_alls += 1
     return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=chunk.shard_group, async_op=True)
 
@@ -271,8 +268,11 @@ def orthogonalize_owned(flight: _Flight, fulls: list[torch.Tensor], steps: Seque
 
 def start_scatter(chunk: Chunk, updates: list[torch.Tensor], stats: PipelineStats) -> _Flight:
     with stats.time("scatter"):
-        length = max(chunk.scatter_recv_numel, chunk.exchange_length)
-        send = torch.empty(chunk.segment * chunk.shard_size, dtype=chunk.wire_dtype, device=chunk.device)
+        length = max(chunk.scatter_recv_numel, chunk.exchange_length)  # what the exchange sends from
+        alone = chunk.shard_group is None  # one member: what it sends is what it receives
+        numel = chunk.segment * chunk.shard_size
+        buffer = torch.empty(max(numel, length) if alone else numel, dtype=chunk.wire_dtype, device=chunk.device)
+        send = buffer[:numel]
         for o, u in zip(chunk.owned, updates):
             if o.zero_copy:
                 _arrived(send, chunk, o).copy_(u)
@@ -280,9 +280,8 @@ def start_scatter(chunk: Chunk, updates: list[torch.Tensor], stats: PipelineStat
             blocks = send.view(chunk.shard_size, chunk.segment)[:, o.offset: o.offset + math.prod(o.padded)]
             indexer, axis = _indexer(o, o.read)
             blocks.view(chunk.shard_size, *o.padded).copy_(u[indexer].movedim(axis, 0))
-        if chunk.shard_group is None:
-            recv = send if length == send.numel() else torch.cat([send, send.new_empty(length - send.numel())])
-            return _Flight(chunk, recv, None)
+        if alone:
+            return _Flight(chunk, buffer, None)
         recv = torch.empty(length, dtype=chunk.wire_dtype, device=chunk.device)
         work = _all_to_all(recv[: chunk.scatter_recv_numel], send, chunk.scatter_recv_splits,
                            [chunk.segment] * chunk.shard_size, chunk, stats)
