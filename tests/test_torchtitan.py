@@ -290,29 +290,44 @@ def test_default_presets_fit_torchtitan_models(make):
         assert any(params[n].ndim == 3 for n in set(params) - adamw)  # expert stacks go to Muon
 
 
-def _single_rank_container(rank, world, config_kw, fuse_qkv=False):
+def _bad_config_messages(rank, world, cases):
+    from torchtitan.components.optimizer import ParamGroupConfig  # noqa: F401 - used by the cases
+
     parallel, _, _ = titan_fixture.build("llama3", world, data_parallel_shard_degree=1)
-    try:
-        container_config(**config_kw).build(model_parts=[parallel])
-    except ValueError as err:
-        return str(err)
-    return None
+    messages = {}
+    for name, config_kw in cases.items():
+        try:
+            container_config(**config_kw).build(model_parts=[parallel])
+            messages[name] = None
+        except ValueError as err:
+            messages[name] = str(err)
+    return messages
 
 
-@pytest.mark.parametrize("config_kw,expected", [
-    (dict(implementation="fused"), "leave it at 'auto'"),
-    (dict(compute_dtype="fp8"), "compute_dtype must be one of"),
-    (dict(qk_logits_fn="some.module:fn"), "qk_clip_threshold is None"),
-    (dict(param_groups=[__import__("torchtitan.components.optimizer", fromlist=["x"]).ParamGroupConfig(
-        pattern=".*", optimizer_name="DistMuon")]), "use 'Muon' for matrices or 'AdamW'"),
-    (dict(param_groups=[__import__("torchtitan.components.optimizer", fromlist=["x"]).ParamGroupConfig(
-        pattern="wq", optimizer_name="Muon", optimizer_kwargs={"adjust_lr_fn": "original"})]), "unknown optimizer_kwargs"),
-    (dict(param_groups=[__import__("torchtitan.components.optimizer", fromlist=["x"]).ParamGroupConfig(
-        pattern="wq", optimizer_name="Muon")]), "no param group pattern matches"),
-], ids=["implementation", "dtype", "logits-without-threshold", "optimizer-name", "kwargs", "unclaimed"])
-def test_bad_configs_are_refused_clearly(config_kw, expected):
-    msg = run_ranks(_single_rank_container, 1, config_kw, timeout=120)[0]
-    assert msg is not None and expected in msg, msg
+def test_bad_configs_are_refused_clearly():
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    cases = {
+        "implementation": (dict(implementation="fused"), "leave it at 'auto'"),
+        "dtype": (dict(compute_dtype="fp8"), "compute_dtype must be one of"),
+        "logits-without-threshold": (dict(qk_logits_fn="some.module:fn"), "qk_clip_threshold is None"),
+        "optimizer-name": (dict(param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="DistMuon")]),
+                           "use 'Muon' for matrices or 'AdamW'"),
+        "kwargs": (dict(param_groups=[ParamGroupConfig(pattern="wq", optimizer_name="Muon",
+                                                       optimizer_kwargs={"adjust_lr_fn": "original"})]),
+                   "unknown optimizer_kwargs ['adjust_lr_fn']"),
+        "unmatched": (dict(param_groups=[ParamGroupConfig(pattern="nothing-is-called-this", optimizer_name="Muon")]),
+                      "matched no parameter"),
+        "unclaimed": (dict(param_groups=[ParamGroupConfig(pattern="wq", optimizer_name="Muon")]),
+                      "no param group pattern matches"),
+        "head_dim": (dict(qk_clip_threshold=100.0, qk_clip_head_dim=None, param_groups=[
+            ParamGroupConfig(pattern="norm|embed|lm_head", optimizer_name="AdamW"),
+            ParamGroupConfig(pattern=".*", optimizer_name="Muon")], qk_clip_q_patterns=("nope",)),
+                     "no Muon-group parameter is a query weight"),
+    }
+    messages = run_ranks(_bad_config_messages, 1, {k: v[0] for k, v in cases.items()}, timeout=120)[0]
+    for name, (_, expected) in cases.items():
+        assert messages[name] is not None and expected in messages[name], (name, messages[name])
 
 
 def _fused_qkv_rank(rank, world):
@@ -386,3 +401,37 @@ def test_importing_the_adapter_without_torchtitan_says_how_to_install(monkeypatc
         importlib.import_module("optimizer.integrations.torchtitan")
     monkeypatch.undo()
     importlib.import_module("optimizer.integrations.torchtitan")
+
+
+# ------------------------------------------------------------------ torchtitan's own DistMuon
+
+def _dist_muon_rank(rank, world, degrees):
+    from optimizer.integrations.torchtitan import build_torchtitan_dist_muon, dist_muon_compute_layouts
+
+    parallel, _, _ = titan_fixture.build("qwen3_moe", world, **degrees)
+    matrices = [(n, p) for n, p in parallel.named_parameters() if p.ndim in (2, 3)]
+    try:
+        layouts = {n: dict(l.shardings_by_mesh_axis) for n, l in dist_muon_compute_layouts(matrices).items()}
+        kinds = {n: sorted(type(s).__name__ for s in spec.values()) for n, spec in layouts.items()}
+        layout_error = None
+    except ValueError as err:
+        kinds, layout_error = None, str(err)
+    try:
+        build_torchtitan_dist_muon(matrices, lr=LR)
+        build_error = None
+    except RuntimeError as err:
+        build_error = str(err)
+    return kinds, layout_error, build_error
+
+
+def test_dist_muon_layouts_and_cpu_refusal():
+    """DistMuon (torchtitan's own distributed Muon) is CUDA-only: on CPU the builder says so before
+    building; its compute layouts are Owned for whole matrices, Shard(0) for expert stacks, and
+    _StridedShard (TP with FSDP, unsupported by DistMuon) is refused."""
+    kinds, layout_error, build_error = run_ranks(_dist_muon_rank, 2, dict(data_parallel_shard_degree=2), timeout=120)[0]
+    assert layout_error is None and "only on CUDA" in build_error
+    assert kinds["layers.0.attention.qkv_linear.wq.weight"] == ["Owned"]
+    assert kinds["layers.0.moe.routed_experts.inner_experts.w1_EFD"] == ["Shard"]
+    kinds, layout_error, _ = run_ranks(
+        _dist_muon_rank, 4, dict(data_parallel_shard_degree=2, tensor_parallel_degree=2), timeout=120)[0]
+    assert kinds is None and "_StridedShard" in layout_error
