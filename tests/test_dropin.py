@@ -223,3 +223,60 @@ def test_adamw_maximize_must_be_a_bool():
     group = {"params": [p], "lr": 0.1, "betas": BETAS, "eps": EPS, "weight_decay": 0.0, "maximize": "yes"}
     with pytest.raises(ValueError, match="maximize must be True or False"):
         adamw_group_step_(group, {})
+
+
+# --------------------------------------------------------------- gradients narrower than params
+
+def test_adamw_path_takes_bf16_grads_of_fp32_params():
+    """bf16 gradients of fp32 parameters (mixed-precision reductions): torch.optim.AdamW raises on the
+    mix; ours upcasts them and gives what torch.optim.AdamW gives on the upcast gradients."""
+    g = torch.Generator().manual_seed(4)
+    init = [torch.randn(8, generator=g), torch.randn(4, 5, generator=g)]
+    params = [p.clone() for p in init]
+    for p in params:
+        p.grad_dtype = torch.bfloat16
+    group = {"params": params, "lr": 0.01, "betas": BETAS, "eps": EPS, "weight_decay": 0.1}
+    state = {}
+    ref = [nn.Parameter(p.clone()) for p in init]
+    ref_opt = torch.optim.AdamW(ref, lr=0.01, betas=BETAS, eps=EPS, weight_decay=0.1)
+    for _ in range(3):
+        for p, r in zip(params, ref):
+            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            r.grad = p.grad.float()
+        adamw_group_step_(group, state)
+        ref_opt.step()
+    for p, r in zip(params, ref):
+        assert p.dtype == torch.float32 and state[p]["exp_avg"].dtype == torch.float32
+        torch.testing.assert_close(p, r.detach(), atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------- Tensor lr on DTensors
+
+def _tensor_lr_dtensor_rank(rank, world, mode):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(6)
+    full = {"w": torch.randn(8, 6, generator=g), "b": torch.randn(8, generator=g)}
+    grads = [{k: torch.randn(v.shape, generator=g) for k, v in full.items()} for _ in range(2)]
+    ps = {k: nn.Parameter(distribute_tensor(v, mesh, [Shard(0)])) for k, v in full.items()}
+    refs = {k: nn.Parameter(v.clone()) for k, v in full.items()}
+    opt = Muon([{"params": [ps["w"]], "use_muon": True}, {"params": [ps["b"]], "use_muon": False}],
+               lr=torch.tensor(0.02), distributed_mode=mode)
+    ref = Muon([{"params": [refs["w"]], "use_muon": True}, {"params": [refs["b"]], "use_muon": False}], lr=0.02)
+    for gs in grads:
+        for k in ps:
+            ps[k].grad = distribute_tensor(gs[k], mesh, [Shard(0)])
+            refs[k].grad = gs[k].clone()
+        opt.step()
+        ref.step()
+    return {k: (ps[k].full_tensor() - refs[k].detach()).abs().max().item() for k in ps}
+
+
+@pytest.mark.parametrize("mode", ["parallel", "gather"])
+def test_tensor_lr_on_sharded_params_matches_single_device(mode):
+    from harness import run_ranks
+
+    deviation = run_ranks(_tensor_lr_dtensor_rank, 2, mode, timeout=60)[0]
+    assert max(deviation.values()) <= 1e-6, deviation

@@ -13,6 +13,10 @@ torch.optim.AdamW makes:
   foreach kernel takes it only with ``capturable=True``, so eagerly we use the single-tensor
   loop for such batches, as torch's functional API does by default; the fused kernel takes it
   as it is.
+* gradients in a narrower dtype than their parameters (bf16 gradients of fp32 parameters, from
+  mixed-precision reductions): torch's kernels refuse the mix ("expected dtype float for
+  `end`"), so such gradients are upcast to the parameter's dtype first; the moments then live
+  in the parameter's dtype, as they would for fp32 gradients.
 * ``torch.compile`` of a step: dynamo traces torch.optim's optimizers with ``capturable=True``
   (torch/_dynamo/variables/optimizer.py sets it on every traced group), because the
   non-capturable foreach path turns the CPU step counts into a stacked tensor of step sizes
@@ -101,6 +105,7 @@ def adamw_step_(
     tensor_lr = isinstance(lr, Tensor)
     if not params:
         return
+    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
     beta1, beta2 = betas
     compiling = torch.compiler.is_compiling()
 
