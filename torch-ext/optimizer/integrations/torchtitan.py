@@ -45,6 +45,7 @@ from torch import Tensor, nn
 try:
     from torchtitan.components.checkpointer.utils import canonical_fqn
     from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+    from torchtitan.distributed.flex_shard import BucketConfig, ComputeLayout, Owned, build_dist_muon
 except ImportError as err:  # pragma: no cover - exercised only where torchtitan is missing
     raise ImportError(
         "optimizer.integrations.torchtitan needs torchtitan 0.3 (pip install torchtitan==0.3.0; install "
@@ -390,7 +391,6 @@ def dist_muon_compute_layouts(named_params: Sequence[tuple[str, Tensor]]) -> dic
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
-    from torchtitan.distributed.flex_shard import ComputeLayout, Owned
 
     layouts = {}
     for name, p in named_params:
@@ -428,8 +428,6 @@ def build_torchtitan_dist_muon(
     with ``ns_coefficients="fixed"``. DistMuon runs only with one CUDA device per process and
     bf16 Newton–Schulz; on other devices this raises RuntimeError before building anything.
     """
-    from torchtitan.distributed.flex_shard import BucketConfig, build_dist_muon
-
     devices = {(p.to_local() if is_dtensor(p) else p).device.type for _, p in named_params}
     if devices != {"cuda"}:
         raise RuntimeError(
