@@ -435,3 +435,38 @@ def test_dist_muon_layouts_and_cpu_refusal():
     kinds, layout_error, _ = run_ranks(
         _dist_muon_rank, 4, dict(data_parallel_shard_degree=2, tensor_parallel_degree=2), timeout=120)[0]
     assert kinds is None and "_StridedShard" in layout_error
+
+
+# ------------------------------------------------------------- the documented config module
+
+EXAMPLE_CONFIGS = ["llama3_debugmodel_muon", "llama3_8b_muon", "qwen3_moe_debug_muon", "qwen3_debugmodel_muonclip"]
+
+
+def _example_rank(rank, world):
+    """Parse the example configs with torchtitan's ConfigManager (CLI overrides included), then
+    build their optimizer on a tiny model as the trainer does (config.optimizer.build)."""
+    from torchtitan.config import ConfigManager
+
+    parsed = {}
+    for name in EXAMPLE_CONFIGS:
+        cfg = ConfigManager().parse_args(
+            ["--module", "examples.torchtitan_muon", "--config", name, "--optimizer.distributed_mode", "gather"])
+        parsed[name] = (type(cfg.optimizer).__qualname__, cfg.optimizer.distributed_mode, cfg.optimizer.qk_clip_threshold,
+                        cfg.parallelism.spmd_backend, type(cfg.model_spec.model.layers[0].attention.qkv_linear).__qualname__)
+        assert isinstance(cfg.optimizer, MuonOptimizersContainer.Config)
+    parallel, _, _ = titan_fixture.build("llama3", world, data_parallel_shard_degree=1)
+    opts = ConfigManager().parse_args(
+        ["--module", "examples.torchtitan_muon", "--config", "llama3_debugmodel_muon"]).optimizer.build(
+        model_parts=[parallel])
+    groups = [(g["use_muon"], len(g["params"])) for g in opts.optimizers[0].param_groups]
+    return parsed, groups
+
+
+def test_example_configs_parse_and_build():
+    parsed, groups = run_ranks(_example_rank, 1, timeout=120)[0]
+    for name, (kind, mode, threshold, backend, _) in parsed.items():
+        assert (kind, mode, backend) == ("MuonOptimizersContainer.Config", "gather", "partial_dtensor"), parsed[name]
+    assert parsed["qwen3_debugmodel_muonclip"][2] == 100.0
+    assert parsed["qwen3_debugmodel_muonclip"][4] == "QKVLinear.Config"  # separate q/k weights, as QK-clip needs
+    n_layers = titan_fixture.LAYERS
+    assert groups == [(False, 3 + 2 * n_layers), (True, 7 * n_layers)]  # emb, head, norms / q k v o w1 w2 w3
