@@ -470,3 +470,43 @@ def test_example_configs_parse_and_build():
     assert parsed["qwen3_debugmodel_muonclip"][4] == "QKVLinear.Config"  # separate q/k weights, as QK-clip needs
     n_layers = titan_fixture.LAYERS
     assert groups == [(False, 3 + 2 * n_layers), (True, 7 * n_layers)]  # emb, head, norms / q k v o w1 w2 w3
+
+
+def test_each_model_part_clips_only_its_own_layers():
+    """Pipeline parallelism gives one model part per stage (FQNs kept, other layers removed): each
+    part's Muon receives only its layers' logits, and together they clip as one Muon over the whole model."""
+    import copy
+
+    torch.manual_seed(0)
+    whole = titan_fixture.tiny_llama3().build()
+    with torch.no_grad():
+        whole.init_weights(buffer_device=torch.device("cpu"))
+    parts = [copy.deepcopy(whole), copy.deepcopy(whole)]
+    del parts[0].layers["1"], parts[1].layers["0"]
+    for part in parts:  # as pipeline splitting does: the first stage keeps the embeddings, the last the head
+        part.config = None
+    del parts[1].tok_embeddings, parts[0].norm, parts[0].lm_head
+    logits = {0: torch.tensor([150.0, 20.0, 400.0, 99.0]), 1: torch.tensor([10.0, 120.0, 5.0, 300.0])}
+    opts = container_config(qk_clip_threshold=100.0).build(model_parts=parts)
+    seen = []
+    opts.set_qk_logits_fn(lambda model_parts: seen.append(len(model_parts)) or logits)
+    ref_opt = container_config(qk_clip_threshold=100.0).build(model_parts=[whole])
+    ref_opt.set_qk_logits_fn(lambda model_parts: logits)
+    g = torch.Generator().manual_seed(5)
+    grads = {n: torch.randn(p.shape, generator=g) for n, p in whole.named_parameters()}
+    for model in (whole, *parts):
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+    opts.step()
+    ref_opt.step()
+    assert seen == [2] and [len(o.optimizers) for o in (opts, ref_opt)] == [2, 1]
+    want = dict(whole.named_parameters())
+    compared = 0
+    for part in parts:
+        for n, p in part.named_parameters():
+            if n.startswith("layers."):
+                assert torch.equal(p, want[n]), n
+                compared += 1
+    assert compared == 2 * 9  # 2 norms + q k v o w1 w2 w3 per layer
+    assert [sorted(o.qk_clip_report.max_logit) for o in opts.optimizers] == [[0], [1]]
+    assert [o.qk_clip_report.clipped_heads for o in opts.optimizers] == [{0: 2}, {1: 2}]
