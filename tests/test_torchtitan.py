@@ -324,6 +324,8 @@ def test_bad_configs_are_refused_clearly():
             ParamGroupConfig(pattern="norm|embed|lm_head", optimizer_name="AdamW"),
             ParamGroupConfig(pattern=".*", optimizer_name="Muon")], qk_clip_q_patterns=("nope",)),
                      "no Muon-group parameter is a query weight"),
+        "q-without-k": (dict(qk_clip_threshold=100.0, qk_clip_k_patterns=("nope",)),
+                        "no key weight in layers [0, 1]"),
     }
     messages = run_ranks(_bad_config_messages, 1, {k: v[0] for k, v in cases.items()}, timeout=120)[0]
     for name, (_, expected) in cases.items():

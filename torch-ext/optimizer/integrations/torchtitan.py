@@ -135,13 +135,18 @@ def find_hidden_shards(model_parts: Sequence[nn.Module]) -> list[str]:
     checked. Returns one line per such parameter.
     """
     found = []
+    declared_by_config: dict[int, dict[str, tuple[int, ...]]] = {}  # pipeline stages share one config
     for part in model_parts:
         config = getattr(part, "config", None)
         plain = [(n, p) for n, p in part.named_parameters() if not is_dtensor(p)]
         if not plain or config is None or not callable(getattr(config, "build", None)):
             continue
-        with torch.device("meta"):
-            declared = {canonical_fqn(n): tuple(p.shape) for n, p in config.build().named_parameters()}
+        if id(config) not in declared_by_config:
+            with torch.device("meta"):
+                declared_by_config[id(config)] = {
+                    canonical_fqn(n): tuple(p.shape) for n, p in config.build().named_parameters()
+                }
+        declared = declared_by_config[id(config)]
         for name, p in plain:
             shape = declared.get(canonical_fqn(name))
             if shape is not None and shape != tuple(p.shape):
@@ -341,16 +346,25 @@ class MuonOptimizersContainer(OptimizersContainer):
         return groups
 
     def _layers_with_q(self, opt: Muon) -> set[int]:
+        """Layers whose query weight is in one of ``opt``'s Muon groups; each must have its key weight too."""
         if self.qk_clip_config is None:
             return set()
-        layers = set()
+        roles: dict[int, set[str]] = {}
         for group in opt.param_groups:
             if group["use_muon"]:
                 for name in group["param_names"]:
                     role = classify_qk_param(name, self.qk_clip_config)
-                    if role is not None and role[1] == "q":
-                        layers.add(role[0])
-        return layers
+                    if role is not None:
+                        roles.setdefault(role[0], set()).add(role[1])
+        lonely = sorted(layer for layer, kinds in roles.items() if kinds == {"q"})
+        if lonely:
+            raise ValueError(
+                f"MuonOptimizersContainer: QK-clip found query weights but no key weight in layers {lonely} "
+                f"(k patterns {self.qk_clip_config.k_patterns}); clipping queries alone is not QK-clip. "
+                "Multi-head latent attention (deepseek_v3's wkv_b holds keys and values together) is not "
+                "supported; for GQA set qk_clip_k_patterns to the key projection's name."
+            )
+        return {layer for layer, kinds in roles.items() if "q" in kinds}
 
     # ------------------------------------------------------------------ stepping
 
