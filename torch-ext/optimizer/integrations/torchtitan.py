@@ -33,6 +33,7 @@ plain parameter whose shape differs from the one the model config declares is re
 
 from __future__ import annotations
 
+import glob
 import importlib
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -449,10 +450,15 @@ def build_torchtitan_dist_muon(
         )
     if adjust_lr not in ("match_rms_adamw", "original"):
         raise ValueError(f"adjust_lr must be 'match_rms_adamw' or 'original' for DistMuon, got {adjust_lr!r}")
+    layouts = dist_muon_compute_layouts(named_params)
+    # A bucket must resolve to one transport group: one bucket per set of mesh axes sharded over.
+    buckets: dict[tuple[str, ...], list[str]] = {}
+    for name, _ in named_params:
+        buckets.setdefault(tuple(layouts[name].shardings_by_mesh_axis), []).append(glob.escape(name))
     return build_dist_muon(
         [{"params": [p for _, p in named_params], "param_names": [n for n, _ in named_params]}],
-        compute_sharding_by_fqn=dist_muon_compute_layouts(named_params),
-        bucket_configs=(BucketConfig(patterns=("*",), name="all"),),
+        compute_sharding_by_fqn=layouts,
+        bucket_configs=tuple(BucketConfig(patterns=tuple(names), name="-".join(axes)) for axes, names in buckets.items()),
         lr=lr,
         weight_decay=weight_decay,
         momentum=momentum,
