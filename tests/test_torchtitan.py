@@ -19,7 +19,7 @@ import titan_fixture  # noqa: E402  (imported once here so forked ranks do not i
 from harness import run_ranks  # noqa: E402
 from torch import nn  # noqa: E402
 
-from optimizer import Muon, QKClipConfig  # noqa: E402
+from optimizer import Muon  # noqa: E402
 from optimizer.integrations.torchtitan import (  # noqa: E402
     ADAMW_PATTERN,
     MuonOptimizersContainer,

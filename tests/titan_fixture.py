@@ -133,7 +133,7 @@ def build(model: str, world_size: int, *, backend: str = "partial_dtensor", seed
 
     with torch.device("meta"):
         parallel = config.build()
-    dims = ParallelDims.from_config(parallelism, torch.distributed.get_world_size())
+    dims = ParallelDims.from_config(parallelism, world_size)
     parallel = parallelize(
         parallel, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
         parallelism=parallelism, compile_config=CompileConfig(), ac_config=None, dump_folder="/tmp",
