@@ -27,9 +27,14 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
     torch_index=(--extra-index-url "$TORCH_INDEX_URL")
 fi
 "$PY" -m pip install --quiet "torch==$TORCH_VERSION" ${torch_index[@]+"${torch_index[@]}"}
+# Everything after torch resolves with torch pinned, so no dependency (torchtitan's, ...) can
+# replace it with another build.
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+echo "torch==$TORCH_VERSION" >"$constraints"
 if [ -n "$EXTRAS" ]; then
-    "$PY" -m pip install --quiet -e ".[$EXTRAS]"
+    "$PY" -m pip install --quiet -c "$constraints" -e ".[$EXTRAS]"
 else
-    "$PY" -m pip install --quiet -e .
+    "$PY" -m pip install --quiet -c "$constraints" -e .
 fi
 "$PY" -c 'import torch, optimizer; print(f"torch {torch.__version__}; optimizer {optimizer.__version__} ready in '"$VENV"'")'

@@ -5,11 +5,28 @@ numbers are exactly torch.optim.AdamW's. The only choices made here are the impl
 (fused on CUDA, foreach elsewhere) and how tensors are batched: torch's foreach/fused ops
 dispatch on DTensor (sharding propagation handles them as pointwise), but one call must not mix
 plain tensors with DTensors, or DTensors on different meshes, so we split into such groups.
+
+Two ordinary torch-optimizer habits need a choice of implementation, and we make the one
+torch.optim.AdamW makes:
+
+* ``lr`` as a 1-element Tensor (e.g. for schedulers that keep lr on the device): torch's
+  foreach kernel takes it only with ``capturable=True``, so eagerly we use the single-tensor
+  loop for such batches, as torch's functional API does by default; the fused kernel takes it
+  as it is.
+* gradients in a narrower dtype than their parameters (bf16 gradients of fp32 parameters, from
+  mixed-precision reductions): torch's kernels refuse the mix ("expected dtype float for
+  `end`"), so such gradients are upcast to the parameter's dtype first; the moments then live
+  in the parameter's dtype, as they would for fp32 gradients.
+* ``torch.compile`` of a step: dynamo traces torch.optim's optimizers with ``capturable=True``
+  (torch/_dynamo/variables/optimizer.py sets it on every traced group), because the
+  non-capturable foreach path turns the CPU step counts into a stacked tensor of step sizes
+  that the traced ``_foreach_addcdiv_`` refuses ("Expected scalars to be on CPU, got meta").
+  Under compile we pass ``capturable=True`` the same way; eager steps are unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 
 import torch
 from torch import Tensor
@@ -45,6 +62,13 @@ def _batch_key(t: Tensor):
     return ("dtensor", t.device_mesh) if is_dtensor(t) else ("plain", None)
 
 
+def _check_lr_and_maximize(lr, maximize) -> None:
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"AdamW: a Tensor lr must have one element, got shape {tuple(lr.shape)}")
+    if not isinstance(maximize, bool):
+        raise ValueError(f"AdamW: maximize must be True or False, got {maximize!r}")
+
+
 def adamw_step_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -52,7 +76,7 @@ def adamw_step_(
     exp_avg_sqs: Sequence[Tensor],
     state_steps: Sequence[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
@@ -62,11 +86,13 @@ def adamw_step_(
 ) -> None:
     """One AdamW step, in place, for parallel lists of params / grads / state.
 
-    Same math as ``torch.optim.AdamW(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)``
-    (decoupled weight decay ``p *= 1 - lr * wd``, bias-corrected moments); ``state_steps`` are
-    incremented. Tensors may be DTensors (a param, its grad and its state must share placements).
-    By default the fused kernel is used when every tensor of a batch is a CUDA float and its
-    steps live on CUDA (see :func:`init_adamw_state_`), the foreach kernels otherwise; pass
+    Same math as ``torch.optim.AdamW(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+    maximize=maximize)`` (decoupled weight decay ``p *= 1 - lr * wd``, bias-corrected moments;
+    ``maximize`` ascends instead of descending); ``state_steps`` are incremented. Tensors may be
+    DTensors (a param, its grad and its state must share placements). ``lr`` may be a float or a
+    1-element Tensor. By default the fused kernel is used when every tensor of a batch is a CUDA
+    float and its steps live on CUDA (see :func:`init_adamw_state_`), the foreach kernels
+    otherwise (the single-tensor loop for a Tensor ``lr`` outside ``torch.compile``); pass
     ``foreach``/``fused`` to force one.
     """
     lists = (params, grads, exp_avgs, exp_avg_sqs, state_steps)
@@ -75,9 +101,13 @@ def adamw_step_(
             "adamw_step_: params, grads, exp_avgs, exp_avg_sqs and state_steps must have the same "
             f"length, got {[len(x) for x in lists]}"
         )
+    _check_lr_and_maximize(lr, maximize)
+    tensor_lr = isinstance(lr, Tensor)
     if not params:
         return
+    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
     beta1, beta2 = betas
+    compiling = torch.compiler.is_compiling()
 
     batches: dict[object, list[int]] = {}
     for i, p in enumerate(params):
@@ -89,7 +119,15 @@ def adamw_step_(
         use_fused = fused
         if use_fused is None:
             use_fused = all(_wants_fused(p) for p in ps) and all(s.device.type == "cuda" for s in steps)
-        use_foreach = foreach if foreach is not None else not use_fused
+        use_foreach = foreach
+        if use_foreach is None:
+            use_foreach = not use_fused and (compiling or not tensor_lr)
+        if use_foreach and tensor_lr and not compiling:
+            raise ValueError(
+                "AdamW: a Tensor lr with foreach=True needs torch's capturable path, which runs "
+                "only under torch.compile or on CUDA; pass foreach=None (the single-tensor loop is "
+                "used) or a float lr"
+            )
         _torch_adamw(
             ps,
             [grads[i] for i in idx],
@@ -99,6 +137,8 @@ def adamw_step_(
             steps,
             foreach=use_foreach,
             fused=use_fused,
+            # What dynamo does to torch.optim's AdamW (see the module docstring).
+            capturable=compiling and not use_fused,
             has_complex=any(torch.is_complex(p) for p in ps),
             amsgrad=False,
             beta1=beta1,
@@ -108,3 +148,32 @@ def adamw_step_(
             eps=eps,
             maximize=maximize,
         )
+
+
+def adamw_group_step_(group: Mapping, state: MutableMapping) -> None:
+    """One AdamW step for the parameters of ``group`` (a Muon group with ``use_muon=False``).
+
+    Reads ``lr`` (float or 1-element Tensor), ``betas``, ``eps``, ``weight_decay`` and
+    ``maximize`` (False when the group has none) from the group, skips parameters without a
+    gradient, and creates missing state in ``state`` (the optimizer's per-parameter state)
+    lazily, as torch.optim.AdamW does.
+    """
+    _check_lr_and_maximize(group["lr"], group.get("maximize", False))
+    params = [p for p in group["params"] if p.grad is not None]
+    if not params:
+        return
+    states = [state.setdefault(p, {}) for p in params]
+    for p, st in zip(params, states):
+        init_adamw_state_(st, p)
+    adamw_step_(
+        params,
+        [p.grad for p in params],
+        [st["exp_avg"] for st in states],
+        [st["exp_avg_sq"] for st in states],
+        [st["step"] for st in states],
+        lr=group["lr"],
+        betas=group["betas"],
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        maximize=group.get("maximize", False),
+    )

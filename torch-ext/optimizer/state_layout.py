@@ -14,6 +14,11 @@ into every param group:
   cannot be saved, so the loading optimizer must bring its own).  The structure
   is the same whether QK-clip is on or off, because DCP loads by matching keys.
 
+Parameter names are compared the way torch.distributed.checkpoint names parameters: without the
+segments that wrappers insert (``_orig_mod`` from ``torch.compile``, ``_checkpoint_wrapped_module``
+from activation checkpointing, ``_fsdp_wrapped_module`` from FSDP1), so a checkpoint written
+from the unwrapped model loads into the wrapped one and back, as it does for torch.optim.AdamW.
+
 Layout version 1, per parameter:
   Muon groups (``use_muon=True``):  ``momentum_buffer``, shaped and placed like the param.
   AdamW groups:  ``step`` (0-d float32 tensor), ``exp_avg``, ``exp_avg_sq`` (like the param).
@@ -49,6 +54,56 @@ _RESHARD_HINT = (
     "use torch.distributed.checkpoint (get_optimizer_state_dict / set_optimizer_state_dict with "
     "dcp.save / dcp.load)."
 )
+
+
+# The segments torch.distributed.checkpoint drops from parameter names (``_get_fqns`` in
+# torch/distributed/checkpoint/state_dict.py; torchtitan's ``canonical_fqn`` drops the second).
+# DDP's ``module.`` prefix is not among them: from a name alone it cannot be told from a
+# submodule called ``module``.
+WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without wrapper segments: ``_orig_mod.layers.0._checkpoint_wrapped_module.w`` -> ``layers.0.w``."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def _shown(names: list[str], limit: int = 5) -> str:
+    more = f", ... ({len(names)} in all)" if len(names) > limit else ""
+    return ", ".join(f"'{n}'" for n in names[:limit]) + more
+
+
+def names_mismatch(saved_names: list[str], live_names: list[str]) -> str | None:
+    """What differs between a checkpoint group's parameter names and a live group's, or None.
+
+    Names are compared without wrapper segments (:func:`canonical_name`). The answer says
+    whether the same parameters come in another order, or which names only one side has.
+    """
+    saved = [canonical_name(n) for n in saved_names]
+    live = [canonical_name(n) for n in live_names]
+    if saved == live:
+        return None
+    saved_set, live_set = set(saved), set(live)
+    only_saved = [n for n in saved if n not in live_set]
+    only_live = [n for n in live if n not in saved_set]
+    if not only_saved and not only_live and len(saved) == len(live):
+        j = next(j for j, (a, b) in enumerate(zip(saved, live)) if a != b)
+        return (
+            f"the same parameters in another order (position {j} is '{saved[j]}' in the checkpoint but "
+            f"'{live[j]}' here); build the param groups in the same order as the run that saved it"
+        )
+    parts = []
+    if only_saved:
+        parts.append(f"only the checkpoint has {_shown(only_saved)}")
+    if only_live:
+        parts.append(f"only this optimizer has {_shown(only_live)}")
+    if not parts:  # same names, repeated a different number of times
+        parts.append(f"the checkpoint lists {len(saved)} names and this optimizer {len(live)}")
+    return (
+        "; ".join(parts) + " (names compared without the wrapper segments "
+        f"{', '.join(WRAPPER_SEGMENTS)}); build the optimizer from the same model, with the same "
+        "param groups, as the run that saved it"
+    )
 
 
 def qk_clip_record(cfg: QKClipConfig | None) -> dict[str, Any]:
@@ -121,19 +176,19 @@ def check_loadable(opt: torch.optim.Optimizer, state_dict: Any) -> None:
                 f"{saved.get('use_muon')!r} but this optimizer's has use_muon={live['use_muon']!r}; build the "
                 "param groups in the same order as the run that saved it."
             )
+        saved_names, live_names = saved.get("param_names"), live.get("param_names")
+        if saved_names is not None and live_names is not None:
+            problem = names_mismatch(list(saved_names), list(live_names))
+            if problem is not None:
+                raise ValueError(
+                    f"Muon.load_state_dict: the parameters of the checkpoint's param_groups[{gi}] do not match "
+                    f"this optimizer's: {problem}."
+                )
         if len(saved["params"]) != len(live["params"]):
             raise ValueError(
                 f"Muon.load_state_dict: the checkpoint's {_group_label(saved, gi)} has {len(saved['params'])} "
                 f"parameters but this optimizer's {_group_label(live, gi)} has {len(live['params'])}; build the "
                 "param groups from the same model, in the same order, as the run that saved it."
-            )
-        saved_names, live_names = saved.get("param_names"), live.get("param_names")
-        if saved_names is not None and live_names is not None and list(saved_names) != list(live_names):
-            j = next(j for j, (a, b) in enumerate(zip(saved_names, live_names)) if a != b)
-            raise ValueError(
-                f"Muon.load_state_dict: position {j} of the checkpoint's param_groups[{gi}] is '{saved_names[j]}' "
-                f"but this optimizer has '{live_names[j]}' there; build the param groups in the same order as "
-                "the run that saved it."
             )
         for j, (pid, p) in enumerate(zip(saved["params"], live["params"])):
             name = live_names[j] if live_names else f"param_groups[{gi}]['params'][{j}]"

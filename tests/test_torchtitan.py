@@ -1,0 +1,514 @@
+"""optimizer.Muon inside torchtitan 0.3, with torchtitan's own model code and parallelize functions.
+
+Every distributed test trains a tiny torchtitan model (llama3, or qwen3 MoE) parallelised by
+torchtitan's ``parallelize_llama`` / ``parallelize_qwen3`` on forked CPU/gloo ranks, steps it
+through :class:`MuonOptimizersContainer` (what torchtitan's trainer builds from config), and
+compares every parameter with single-device ``optimizer.Muon`` on plain tensors fed the same
+full gradients (``DTensor.full_tensor()`` of each rank's gradient). The CPU shims torchtitan
+needs are in titan_fixture.py. Skipped only where torchtitan is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (CI installs it: scripts/install.sh)")
+
+import titan_fixture  # noqa: E402  (imported once here so forked ranks do not import torchtitan again)
+from harness import run_ranks  # noqa: E402
+from torch import nn  # noqa: E402
+
+from optimizer import Muon  # noqa: E402
+from optimizer.integrations.torchtitan import (  # noqa: E402
+    ADAMW_PATTERN,
+    MuonOptimizersContainer,
+    default_param_groups,
+    find_hidden_shards,
+)
+
+LR = 2e-2
+TOL = 1e-5  # fp32 Newton–Schulz on CPU: measured 0 or a few ulps; anything real is >= 1e-3
+
+
+def container_config(**kw) -> MuonOptimizersContainer.Config:
+    return MuonOptimizersContainer.Config(**{"param_groups": default_param_groups(lr=LR), "compute_dtype": "float32", **kw})
+
+
+def reference_for(opts: MuonOptimizersContainer, full: dict[str, torch.Tensor], qk_clip=None):
+    """Single-device Muon on plain copies of the full weights, with the container's groups and hyperparameters."""
+    params = {n: nn.Parameter(w.clone()) for n, w in full.items()}
+    groups = []
+    for g in opts.optimizers[0].param_groups:
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in g["param_names"]]})
+    return params, Muon(groups, compute_dtype=torch.float32, qk_clip=qk_clip)
+
+
+def train_and_compare(rank, world, model, degrees, steps=2, backend="partial_dtensor", qk_logits=None, config_kw=None):
+    parallel, full, dims = titan_fixture.build(model, world, backend=backend, **degrees)
+    opts = container_config(**(config_kw or {})).build(model_parts=[parallel])
+    if qk_logits is not None:
+        opts.set_qk_logits_fn(lambda parts: qk_logits)
+    ref_params, ref = reference_for(opts, full, qk_clip=opts.qk_clip_config)
+    for step in range(steps):
+        titan_fixture.forward_backward(parallel, step, dims)
+        grads = {n: titan_fixture.full_tensor(p.grad) for n, p in parallel.named_parameters()}
+        opts.step()
+        opts.zero_grad()
+        for n, p in ref_params.items():
+            p.grad = grads[n]
+        ref.step(qk_logits=qk_logits)
+    deviation = {n: (titan_fixture.full_tensor(p.detach()) - ref_params[n].detach()).abs().max().item()
+                 for n, p in parallel.named_parameters()}
+    moved = {n: (ref_params[n].detach() - full[n]).abs().max().item() for n in full}
+    placements = {n: str(tuple(p.placements)) if hasattr(p, "placements") else "plain"
+                  for n, p in parallel.named_parameters()}
+    return deviation, moved, placements
+
+
+def check(results, expect_placements=()):
+    deviation, moved, placements = results[0]
+    worst = max(deviation, key=deviation.get)
+    assert deviation[worst] <= TOL, f"'{worst}' ({placements[worst]}) is {deviation[worst]:.3g} off single-device Muon"
+    assert min(moved.values()) > 1e-4, "some parameter did not move: the comparison would be vacuous"
+    for name_part, placement in expect_placements:  # the layouts torchtitan is known to produce
+        assert any(name_part in n and p == placement for n, p in placements.items()), (name_part, placement, placements)
+    return placements
+
+
+# ----------------------------------------------------------------------- llama3, dense layouts
+
+LLAMA3_LAYOUTS = {
+    "fsdp": (2, dict(data_parallel_shard_degree=2), [("wq.weight", "(Shard(dim=0),)")]),
+    "tp": (2, dict(data_parallel_shard_degree=1, tensor_parallel_degree=2),
+           [("wq.weight", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"), ("wo.weight", "(Shard(dim=0), Shard(dim=1))")]),
+    "tp_no_sp": (2, dict(data_parallel_shard_degree=1, tensor_parallel_degree=2, enable_sequence_parallel=False),
+                 [("wo.weight", "(Shard(dim=0), Shard(dim=1))")]),
+    "fsdp_tp": (4, dict(data_parallel_shard_degree=2, tensor_parallel_degree=2),
+                [("w1.weight", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"), ("w2.weight", "(Shard(dim=0), Shard(dim=1))")]),
+    "hsdp": (4, dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=2),
+             [("wk.weight", "(Replicate(), Shard(dim=0))")]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LLAMA3_LAYOUTS))
+def test_llama3_matches_single_device_muon(layout):
+    world, degrees, expected = LLAMA3_LAYOUTS[layout]
+    check(run_ranks(train_and_compare, world, "llama3", degrees, timeout=240), expected)
+
+
+@pytest.mark.parametrize("world,degrees", [
+    (2, dict(data_parallel_shard_degree=1, tensor_parallel_degree=2)),
+    (4, dict(data_parallel_shard_degree=2, tensor_parallel_degree=2)),
+], ids=["tp", "fsdp_tp"])
+def test_llama3_full_dtensor_backend(world, degrees):
+    check(run_ranks(train_and_compare, world, "llama3", degrees, backend="full_dtensor", timeout=240))
+
+
+def test_llama3_gather_mode():
+    check(run_ranks(train_and_compare, 4, "llama3", dict(data_parallel_shard_degree=2, tensor_parallel_degree=2),
+                    config_kw=dict(distributed_mode="gather"), timeout=240))
+
+
+# ------------------------------------------------------------------------- qwen3 MoE, EP + FSDP
+
+MOE_LAYOUTS = {
+    "ep_fsdp": dict(data_parallel_shard_degree=4, expert_parallel_degree=2),
+    "ep_tp_fsdp": dict(data_parallel_shard_degree=2, tensor_parallel_degree=2, expert_parallel_degree=2),
+}
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_qwen3_moe_matches_single_device_muon(layout):
+    placements = check(run_ranks(train_and_compare, 4, "qwen3_moe", MOE_LAYOUTS[layout], timeout=300))
+    experts = {n: p for n, p in placements.items() if "inner_experts" in n}
+    assert len(experts) == 3 * titan_fixture.LAYERS, placements
+    if layout == "ep_fsdp":  # experts [E, out, in] on ('efsdp', 'ep'), as torchtitan lays them out
+        assert set(experts.values()) == {"(_StridedShard(dim=0, sf=2), Shard(dim=0))"}, experts
+
+
+# ------------------------------------------------------------------------------------ QK-clip
+
+def test_qk_clip_with_logits_from_a_callable():
+    """Logits come from the pluggable callable; heads over the threshold are clipped as single-device Muon clips them."""
+    logits = {0: torch.tensor([150.0, 20.0, 400.0, 99.0]), 1: torch.tensor([10.0, 120.0, 5.0, 300.0])}
+    results = run_ranks(train_and_compare, 4, "llama3", dict(data_parallel_shard_degree=2, tensor_parallel_degree=2),
+                        qk_logits=logits, config_kw=dict(qk_clip_threshold=100.0), timeout=240)
+    check(results)
+
+
+def _qk_clipped_rank(rank, world, threshold):
+    """Whether the container's QK-clip changed wq (vs. the same run with QK-clip off)."""
+    out = []
+    for on in (False, True):
+        parallel, _, _ = titan_fixture.build("llama3", world, data_parallel_shard_degree=2)
+        opts = container_config(**(dict(qk_clip_threshold=threshold) if on else {})).build(model_parts=[parallel])
+        if on:
+            opts.set_qk_logits_fn(lambda parts: {0: torch.full((4,), 1e4), 1: torch.full((4,), 1e4)})
+        titan_fixture.forward_backward(parallel, 0)
+        opts.step()
+        out.append({n: titan_fixture.full_tensor(p.detach()) for n, p in parallel.named_parameters()})
+    return out
+
+
+def test_qk_clip_scales_q_and_k_only():
+    off, on = run_ranks(_qk_clipped_rank, 2, 100.0, timeout=240)[0]
+    scale = (100.0 / 1e4) ** 0.5
+    for name in off:
+        if name.endswith(("wq.weight", "wk.weight")):
+            torch.testing.assert_close(on[name], off[name] * scale, rtol=1e-5, atol=1e-7)
+        else:
+            assert torch.equal(on[name], off[name]), name
+
+
+# ------------------------------------------------------------- torchtitan's LR scheduler
+
+def _scheduler_rank(rank, world):
+    from torchtitan.components.optimizer import LRSchedulersContainer
+
+    parallel, full, _ = titan_fixture.build("llama3", world, data_parallel_shard_degree=2)
+    opts = container_config().build(model_parts=[parallel])
+    scheds = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.5, decay_type="cosine").build(
+        optimizers=opts, training_steps=4)
+    ref_params, ref = reference_for(opts, full)
+    lr_lambda = scheds.schedulers[0].lr_lambdas[0]
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lr_lambda)  # the same schedule, on single-device Muon
+    lrs = []
+    for step in range(4):
+        titan_fixture.forward_backward(parallel, step)
+        grads = {n: titan_fixture.full_tensor(p.grad) for n, p in parallel.named_parameters()}
+        lrs.append([g["lr"] for g in opts.optimizers[0].param_groups])
+        opts.step()
+        opts.zero_grad()
+        scheds.step()
+        for n, p in ref_params.items():
+            p.grad = grads[n]
+        ref.step()
+        ref_sched.step()
+    deviation = max((titan_fixture.full_tensor(p.detach()) - ref_params[n].detach()).abs().max().item()
+                    for n, p in parallel.named_parameters())
+    return deviation, lrs
+
+
+def test_torchtitan_lr_scheduler_drives_every_group():
+    deviation, lrs = run_ranks(_scheduler_rank, 2, timeout=240)[0]
+    assert deviation <= TOL
+    assert lrs[0] == [LR / 2, LR / 2] and lrs[1] == [LR, LR]  # warmup, over both groups
+    assert lrs[3][0] < LR  # decay
+
+
+# ------------------------------------------------------- save / resume through torchtitan's checkpointing
+
+def _snapshot(parallel, opts):
+    """Full (unsharded) parameters, optimizer state and group lrs, keyed by name."""
+    params = {n: titan_fixture.full_tensor(p.detach()).clone() for n, p in parallel.named_parameters()}
+    state, lrs = {}, []
+    for opt in opts.optimizers:
+        for g in opt.param_groups:
+            lrs.append(g["lr"])
+            for n, p in zip(g["param_names"], g["params"]):
+                for k, v in opt.state[p].items():
+                    state[f"{n}/{k}"] = titan_fixture.full_tensor(v).clone()
+    return params, state, lrs
+
+
+def _checkpoint_rank(rank, world, folder, phase, degrees):
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer
+
+    # the resuming run starts from other weights: everything it ends with must come from the checkpoint
+    parallel, full, dims = titan_fixture.build("llama3", world, seed=0 if phase != "resume" else 1, **degrees)
+    opts = container_config().build(model_parts=[parallel])
+    scheds = LRSchedulersContainer.Config(warmup_steps=4).build(optimizers=opts, training_steps=6)
+    ckpt = CheckpointManager(
+        CheckpointManager.Config(enable=True, folder="ckpt", interval=1, last_save_model_only=False),
+        dataloader=None, model_parts=[parallel], optimizers=opts, lr_schedulers=scheds, states={}, sd_adapter=None,
+        base_folder=folder,
+    )
+
+    def train(steps):
+        for step in steps:
+            titan_fixture.forward_backward(parallel, step, dims)
+            opts.step()
+            opts.zero_grad()
+            scheds.step()
+
+    if phase == "resume":
+        assert ckpt.load(step=2)
+    else:
+        train(range(2))
+        ckpt.save(curr_step=2)
+    at_checkpoint = _snapshot(parallel, opts)
+    train(range(2, 4))
+    ckpt.close()
+    return at_checkpoint, _snapshot(parallel, opts)[0]
+
+
+@pytest.mark.parametrize("save_degrees,load_degrees", [
+    (dict(data_parallel_shard_degree=2), dict(data_parallel_shard_degree=2)),
+    (dict(data_parallel_shard_degree=2), dict(data_parallel_shard_degree=1, tensor_parallel_degree=2)),
+], ids=["fsdp->fsdp", "fsdp->tp"])
+def test_save_and_resume_through_torchtitan_checkpoint(tmp_path, save_degrees, load_degrees):
+    """torchtitan's CheckpointManager (DCP, FQN-keyed flat optimizer state) saves and restores Muon.
+
+    The resumed run restores every parameter, every momentum / AdamW state tensor and the
+    scheduled lr exactly, also into another layout (DCP reshards FSDP's Shard(0) into TP's
+    _StridedShard). On the same layout, steps 3-4 then land where the uninterrupted run does
+    (on another layout the gradients themselves differ by rounding, so only the state is compared).
+    """
+    (saved, saved_final) = run_ranks(_checkpoint_rank, 2, str(tmp_path), "save", save_degrees, timeout=240)[0]
+    (loaded, loaded_final) = run_ranks(_checkpoint_rank, 2, str(tmp_path), "resume", load_degrees, timeout=240)[0]
+    for want, got in zip(saved[:2], loaded[:2]):
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.equal(want[name], got[name]), name
+    assert any(k.endswith("momentum_buffer") for k in saved[1]) and any(k.endswith("exp_avg_sq") for k in saved[1])
+    assert loaded[2] == saved[2] and 0 < saved[2][0] < LR  # mid-warmup lr restored
+    if save_degrees == load_degrees:
+        for name, want in saved_final.items():
+            torch.testing.assert_close(loaded_final[name], want, atol=TOL, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------- presets and refusals (one process)
+
+def _named(cfg):
+    with torch.device("meta"):
+        return dict(cfg.build().named_parameters())
+
+
+@pytest.mark.parametrize("make", [titan_fixture.tiny_llama3, titan_fixture.tiny_qwen3_moe], ids=["llama3", "qwen3_moe"])
+def test_default_presets_fit_torchtitan_models(make):
+    import re
+
+    params = _named(make())
+    adamw = {n for n in params if re.search(ADAMW_PATTERN, n)}
+    assert {"tok_embeddings.weight", "lm_head.weight", "norm.weight"} <= adamw
+    assert all(params[n].ndim in (2, 3) for n in set(params) - adamw)  # everything left is a matrix or experts
+    assert all(params[n].ndim == 1 for n in adamw if n.endswith("norm.weight"))
+    if make is titan_fixture.tiny_qwen3_moe:
+        assert {n for n in params if "router.gate" in n} <= adamw
+        assert any(params[n].ndim == 3 for n in set(params) - adamw)  # expert stacks go to Muon
+
+
+def _bad_config_messages(rank, world, cases):
+    from torchtitan.components.optimizer import ParamGroupConfig  # noqa: F401 - used by the cases
+
+    parallel, _, _ = titan_fixture.build("llama3", world, data_parallel_shard_degree=1)
+    messages = {}
+    for name, config_kw in cases.items():
+        try:
+            container_config(**config_kw).build(model_parts=[parallel])
+            messages[name] = None
+        except ValueError as err:
+            messages[name] = str(err)
+    return messages
+
+
+def test_bad_configs_are_refused_clearly():
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    cases = {
+        "implementation": (dict(implementation="fused"), "leave it at 'auto'"),
+        "dtype": (dict(compute_dtype="fp8"), "compute_dtype must be one of"),
+        "logits-without-threshold": (dict(qk_logits_fn="some.module:fn"), "qk_clip_threshold is None"),
+        "optimizer-name": (dict(param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="DistMuon")]),
+                           "use 'Muon' for matrices or 'AdamW'"),
+        "kwargs": (dict(param_groups=[ParamGroupConfig(pattern="wq", optimizer_name="Muon",
+                                                       optimizer_kwargs={"adjust_lr_fn": "original"})]),
+                   "unknown optimizer_kwargs ['adjust_lr_fn']"),
+        "unmatched": (dict(param_groups=[ParamGroupConfig(pattern="nothing-is-called-this", optimizer_name="Muon")]),
+                      "matched no parameter"),
+        "unclaimed": (dict(param_groups=[ParamGroupConfig(pattern="wq", optimizer_name="Muon")]),
+                      "no param group pattern matches"),
+        "head_dim": (dict(qk_clip_threshold=100.0, qk_clip_head_dim=None, param_groups=[
+            ParamGroupConfig(pattern="norm|embed|lm_head", optimizer_name="AdamW"),
+            ParamGroupConfig(pattern=".*", optimizer_name="Muon")], qk_clip_q_patterns=("nope",)),
+                     "no Muon-group parameter is a query weight"),
+        "q-without-k": (dict(qk_clip_threshold=100.0, qk_clip_k_patterns=("nope",)),
+                        "no key weight in layers [0, 1]"),
+    }
+    messages = run_ranks(_bad_config_messages, 1, {k: v[0] for k, v in cases.items()}, timeout=120)[0]
+    for name, (_, expected) in cases.items():
+        assert messages[name] is not None and expected in messages[name], (name, messages[name])
+
+
+def _fused_qkv_rank(rank, world):
+    from torchtitan.models.llama3 import _build_llama3_layers
+
+    original = titan_fixture.tiny_llama3
+
+    def fused():
+        cfg = original()
+        layers = _build_llama3_layers(
+            n_layers=titan_fixture.LAYERS, dim=titan_fixture.DIM, n_heads=titan_fixture.HEADS,
+            n_kv_heads=titan_fixture.KV_HEADS, hidden_dim=2 * titan_fixture.DIM, fuse_qkv=True,
+            rope=cfg.layers[0].attention.rope, attn_backend="flex")
+        cfg.layers = titan_fixture._eager_attention(layers)
+        return cfg
+
+    titan_fixture.MODELS["llama3_fused"] = (fused, titan_fixture.MODELS["llama3"][1])
+    parallel, _, _ = titan_fixture.build("llama3_fused", world, data_parallel_shard_degree=1)
+    assert any("wqkv" in n for n, _ in parallel.named_parameters())
+    try:
+        container_config(qk_clip_threshold=100.0).build(model_parts=[parallel])
+    except ValueError as err:
+        return str(err)
+
+
+def test_qk_clip_refuses_fused_qkv():
+    msg = run_ranks(_fused_qkv_rank, 1, timeout=120)[0]
+    assert msg is not None and "fuse_qkv=False" in msg, msg
+
+
+def _hidden_shard_rank(rank, world):
+    """torchtitan's spmd_types backend without FSDP: Module.parallelize leaves TP shards as plain tensors."""
+    import types
+
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    titan_fixture.use_cpu()
+    parallelism = ParallelismConfig(spmd_backend="spmd_types", data_parallel_shard_degree=1, tensor_parallel_degree=2)
+    titan_fixture._dist_utils.set_spmd_backend("spmd_types")
+    cfg = titan_fixture.tiny_llama3()
+    cfg.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    with torch.device("meta"):
+        model = cfg.build()
+    model.parallelize(ParallelDims.from_config(parallelism, world))
+    model.to_empty(device="cpu")
+    hidden = find_hidden_shards([model])
+    try:
+        container_config().build(model_parts=[model])
+        err = None
+    except ValueError as e:
+        err = str(e)
+    return hidden, err, {n: type(p).__name__ for n, p in model.named_parameters()}
+
+
+def test_plain_tensor_shards_are_refused():
+    hidden, err, kinds = run_ranks(_hidden_shard_rank, 2, timeout=120)[0]
+    assert set(kinds.values()) == {"Parameter"}  # the premise: no DTensors
+    assert any("wq.weight': local shape (32, 64), declared (64, 64)" in h for h in hidden), hidden
+    assert not any("norm" in h for h in hidden)  # replicated norms are whole: not reported
+    assert err is not None and "spmd_backend" in err and "partial_dtensor" in err
+
+
+def test_importing_the_adapter_without_torchtitan_says_how_to_install(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchtitan.components.optimizer", None)  # import of it fails
+    monkeypatch.delitem(sys.modules, "optimizer.integrations.torchtitan", raising=False)
+    with pytest.raises(ImportError, match="pip install torchtitan==0.3.0"):
+        importlib.import_module("optimizer.integrations.torchtitan")
+    monkeypatch.undo()
+    importlib.import_module("optimizer.integrations.torchtitan")
+
+
+# ------------------------------------------------------------------ torchtitan's own DistMuon
+
+def _dist_muon_rank(rank, world, degrees):
+    from optimizer.integrations.torchtitan import build_torchtitan_dist_muon, dist_muon_compute_layouts
+
+    parallel, _, _ = titan_fixture.build("qwen3_moe", world, **degrees)
+    matrices = [(n, p) for n, p in parallel.named_parameters() if p.ndim in (2, 3)]
+    try:
+        layouts = {n: dict(l.shardings_by_mesh_axis) for n, l in dist_muon_compute_layouts(matrices).items()}
+        kinds = {n: sorted(type(s).__name__ for s in spec.values()) for n, spec in layouts.items()}
+        layout_error = None
+    except ValueError as err:
+        kinds, layout_error = None, str(err)
+    try:
+        build_torchtitan_dist_muon(matrices, lr=LR)
+        build_error = None
+    except RuntimeError as err:
+        build_error = str(err)
+    return kinds, layout_error, build_error
+
+
+def test_dist_muon_layouts_and_cpu_refusal():
+    """DistMuon (torchtitan's own distributed Muon) is CUDA-only: on CPU the builder says so before
+    building; its compute layouts are Owned for whole matrices, Shard(0) for expert stacks, and
+    _StridedShard (TP with FSDP, unsupported by DistMuon) is refused."""
+    kinds, layout_error, build_error = run_ranks(_dist_muon_rank, 2, dict(data_parallel_shard_degree=2), timeout=120)[0]
+    assert layout_error is None and "only on CUDA" in build_error
+    assert kinds["layers.0.attention.qkv_linear.wq.weight"] == ["Owned"]
+    assert kinds["layers.0.moe.routed_experts.inner_experts.w1_EFD"] == ["Shard"]
+    kinds, layout_error, _ = run_ranks(
+        _dist_muon_rank, 4, dict(data_parallel_shard_degree=2, tensor_parallel_degree=2), timeout=120)[0]
+    assert kinds is None and "_StridedShard" in layout_error
+
+
+# ------------------------------------------------------------- the documented config module
+
+EXAMPLE_CONFIGS = ["llama3_debugmodel_muon", "llama3_8b_muon", "qwen3_moe_debug_muon", "qwen3_debugmodel_muonclip"]
+
+
+def _example_rank(rank, world):
+    """Parse the example configs with torchtitan's ConfigManager (CLI overrides included), then
+    build their optimizer on a tiny model as the trainer does (config.optimizer.build)."""
+    from torchtitan.config import ConfigManager
+
+    parsed = {}
+    for name in EXAMPLE_CONFIGS:
+        cfg = ConfigManager().parse_args(
+            ["--module", "examples.torchtitan_muon", "--config", name, "--optimizer.distributed_mode", "gather"])
+        parsed[name] = (type(cfg.optimizer).__qualname__, cfg.optimizer.distributed_mode, cfg.optimizer.qk_clip_threshold,
+                        cfg.parallelism.spmd_backend, type(cfg.model_spec.model.layers[0].attention.qkv_linear).__qualname__)
+        assert isinstance(cfg.optimizer, MuonOptimizersContainer.Config)
+    parallel, _, _ = titan_fixture.build("llama3", world, data_parallel_shard_degree=1)
+    opts = ConfigManager().parse_args(
+        ["--module", "examples.torchtitan_muon", "--config", "llama3_debugmodel_muon"]).optimizer.build(
+        model_parts=[parallel])
+    groups = [(g["use_muon"], len(g["params"])) for g in opts.optimizers[0].param_groups]
+    return parsed, groups
+
+
+def test_example_configs_parse_and_build():
+    parsed, groups = run_ranks(_example_rank, 1, timeout=120)[0]
+    for name, (kind, mode, threshold, backend, _) in parsed.items():
+        assert (kind, mode, backend) == ("MuonOptimizersContainer.Config", "gather", "partial_dtensor"), parsed[name]
+    assert parsed["qwen3_debugmodel_muonclip"][2] == 100.0
+    assert parsed["qwen3_debugmodel_muonclip"][4] == "QKVLinear.Config"  # separate q/k weights, as QK-clip needs
+    n_layers = titan_fixture.LAYERS
+    assert groups == [(False, 3 + 2 * n_layers), (True, 7 * n_layers)]  # emb, head, norms / q k v o w1 w2 w3
+
+
+def test_each_model_part_clips_only_its_own_layers():
+    """Pipeline parallelism gives one model part per stage (FQNs kept, other layers removed): each
+    part's Muon receives only its layers' logits, and together they clip as one Muon over the whole model."""
+    import copy
+
+    torch.manual_seed(0)
+    whole = titan_fixture.tiny_llama3().build()
+    with torch.no_grad():
+        whole.init_weights(buffer_device=torch.device("cpu"))
+    parts = [copy.deepcopy(whole), copy.deepcopy(whole)]
+    del parts[0].layers["1"], parts[1].layers["0"]
+    for part in parts:  # as pipeline splitting does: the first stage keeps the embeddings, the last the head
+        part.config = None
+    del parts[1].tok_embeddings, parts[0].norm, parts[0].lm_head
+    logits = {0: torch.tensor([150.0, 20.0, 400.0, 99.0]), 1: torch.tensor([10.0, 120.0, 5.0, 300.0])}
+    opts = container_config(qk_clip_threshold=100.0).build(model_parts=parts)
+    seen = []
+    opts.set_qk_logits_fn(lambda model_parts: seen.append(len(model_parts)) or logits)
+    ref_opt = container_config(qk_clip_threshold=100.0).build(model_parts=[whole])
+    ref_opt.set_qk_logits_fn(lambda model_parts: logits)
+    g = torch.Generator().manual_seed(5)
+    grads = {n: torch.randn(p.shape, generator=g) for n, p in whole.named_parameters()}
+    for model in (whole, *parts):
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+    opts.step()
+    ref_opt.step()
+    assert seen == [2] and [len(o.optimizers) for o in (opts, ref_opt)] == [2, 1]
+    want = dict(whole.named_parameters())
+    compared = 0
+    for part in parts:
+        for n, p in part.named_parameters():
+            if n.startswith("layers."):
+                assert torch.equal(p, want[n]), n
+                compared += 1
+    assert compared == 2 * 9  # 2 norms + q k v o w1 w2 w3 per layer
+    assert [sorted(o.qk_clip_report.max_logit) for o in opts.optimizers] == [[0], [1]]
+    assert [o.qk_clip_report.clipped_heads for o in opts.optimizers] == [{0: 2}, {1: 2}]
