@@ -73,6 +73,7 @@ _PICKLED_SETTINGS = dict(
     skip_nonfinite=False,
     replica_split="auto",
     replica_split_flops_per_byte=None,
+    adamw_betas=(0.9, 0.95),
 )
 
 # "auto" splits a matrix over replicas when its Newton–Schulz does at least this many
@@ -91,8 +92,8 @@ class Muon(Optimizer):
             give better error messages and enable QK-clip name matching.
         lr, weight_decay: per group (decoupled weight decay, ``p *= 1 - lr*wd``).
         momentum, nesterov: Muon momentum (torch.optim.Muon semantics).  A
-            momentum-cycling scheduler (OneCycleLR/CyclicLR) writes ``betas``;
-            Muon groups then take their momentum from ``betas[0]``.
+            momentum-cycling scheduler (OneCycleLR/CyclicLR) cycles every group's
+            ``momentum``; AdamW groups take it as their ``betas[0]``.
         ns_steps, ns_coefficients: Newton–Schulz iterations and coefficients
             ("fixed" = (3.4445, -4.7750, 2.0315), a table name, a triple, or a
             list of per-iteration triples).
@@ -166,10 +167,12 @@ class Muon(Optimizer):
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
             adjust_lr=adjust_lr,
-            betas=tuple(adamw_betas),
             eps=adamw_eps,
             maximize=maximize,
         )
+        # Not in the defaults: a momentum-cycling scheduler writes "betas" into every group
+        # when the defaults have it, and Muon groups cycle "momentum" (see _follow_momentum_schedule).
+        self.adamw_betas = tuple(adamw_betas)
         self.ns_eps = eps
         self.compute_dtype = compute_dtype
         self.qk_clip = qk_clip
@@ -201,6 +204,8 @@ class Muon(Optimizer):
             raise ValueError("Muon: a param group has no `use_muon` key. " + GROUPS_HELP)
         if not isinstance(param_group["use_muon"], bool):
             raise ValueError(f"Muon: `use_muon` must be True or False, got {param_group['use_muon']!r}")
+        if not param_group["use_muon"]:
+            param_group.setdefault("betas", tuple(self.__dict__.get("adamw_betas", (0.9, 0.95))))
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         state_layout.stamp_group(group, self.qk_clip)
@@ -314,6 +319,7 @@ class Muon(Optimizer):
                 closure_error = err
 
         # 1. This rank's view of the step; problems are found before anything changes.
+        _follow_momentum_schedule(self.param_groups)
         plan = self._current_plan()
         local_errors = list(plan.errors)
         muon_grads = plan.muon_grads
@@ -440,27 +446,8 @@ class Muon(Optimizer):
 
     def _adamw_step(self) -> None:
         for group in self.param_groups:
-            if group["use_muon"]:
-                continue
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            states = [self.state[p] for p in params]
-            for p, st in zip(params, states):
-                if not st:
-                    _adamw.init_adamw_state_(st, p)
-            _adamw.adamw_step_(
-                params,
-                [p.grad for p in params],
-                [st["exp_avg"] for st in states],
-                [st["exp_avg_sq"] for st in states],
-                [st["step"] for st in states],
-                lr=group["lr"],
-                betas=group["betas"],
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                maximize=group.get("maximize", False),
-            )
+            if not group["use_muon"]:
+                _adamw.adamw_group_step_(group, self.state)
 
     def _orthogonalizer(self, group: dict) -> Callable[[torch.Tensor], torch.Tensor]:
         def orthogonalize(x: torch.Tensor) -> torch.Tensor:
@@ -537,12 +524,17 @@ def _qk_params(opt: Muon) -> list[tuple[str, tuple[int, ...], bool, int]]:
     return [(n, tuple(p.shape), g["use_muon"], gi) for gi, g in enumerate(opt.param_groups) for n, p in _named(opt, gi)]
 
 
+def _follow_momentum_schedule(groups: list[dict]) -> None:
+    """OneCycleLR/CyclicLR with ``cycle_momentum`` write ``momentum`` into every group (the
+    defaults have ``momentum`` and no ``betas``) and mark it with ``max_momentum`` /
+    ``base_momentum``: Muon groups follow the schedule as torch.optim.Muon's do, and an AdamW
+    group takes it as its ``betas[0]``, as torch.optim.AdamW's would."""
+    for group in groups:
+        if not group["use_muon"] and "max_momentum" in group and "base_momentum" in group:
+            group["betas"] = (float(group["momentum"]), *group["betas"][1:])
+
+
 def _muon_momentum(group: dict) -> float:
-    # OneCycleLR/CyclicLR with cycle_momentum write betas[0] into every group (the
-    # defaults contain "betas") and mark the group with max/base_momentum; a Muon
-    # group then follows that schedule, as torch.optim.Muon follows "momentum".
-    if "max_momentum" in group and "base_momentum" in group:
-        return float(group["betas"][0])
     return group["momentum"]
 
 

@@ -62,7 +62,13 @@ def check_optimizer_options(*, eps, compute_dtype, qk_clip, qk_clip_type, distri
 
 def check_group_options(group: dict, where: str) -> None:
     """A param group's hyper-parameters (``where`` names the group in messages)."""
-    check_number(f"{where} lr", float(group["lr"]) if torch.is_tensor(group["lr"]) else group["lr"], low=0.0)
+    lr = group["lr"]
+    if torch.is_tensor(lr) and lr.numel() != 1:
+        raise ValueError(f"Muon: `{where} lr` must be a number or a one-element tensor, got shape {tuple(lr.shape)}")
+    if not torch.is_tensor(lr) or lr.device.type == "cpu":  # a device tensor is not read (no host sync)
+        check_number(f"{where} lr", float(lr) if torch.is_tensor(lr) else lr, low=0.0)
+    if not isinstance(group.get("maximize", False), bool):
+        raise ValueError(f"Muon: `{where} maximize` must be True or False, got {group['maximize']!r}")
     check_number(f"{where} weight_decay", group["weight_decay"], low=0.0)
     if group["use_muon"]:
         check_number(f"{where} momentum", group["momentum"], low=0.0, high=1.0)

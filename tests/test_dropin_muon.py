@@ -1,6 +1,5 @@
-"""Drop-in items of issue 13 that need muon.py: these tests FAIL until muon.py is changed.
-
-Each compares against an independent reference:
+"""Drop-in torch-optimizer habits that live in muon.py (issue 13), each against an independent
+reference:
 
 - momentum schedules (OneCycleLR / CyclicLR with ``cycle_momentum``): torch.optim.Muon and
   torch.optim.AdamW under the same scheduler;
@@ -79,7 +78,7 @@ SCHEDULERS = {
 @pytest.mark.parametrize("sched", list(SCHEDULERS))
 def test_momentum_schedules_cycle_muon_momentum_like_torch_muon(sched):
     """Muon groups' ``momentum`` follows the schedule as in torch.optim.Muon; AdamW groups' betas[0]
-    as in torch.optim.AdamW. Fails today: the scheduler sees ``betas`` in Muon's defaults and writes
+    as in torch.optim.AdamW. Before the fix: the scheduler sees ``betas`` in Muon's defaults and writes
     ``betas`` into every group, so a Muon group's momentum never moves (~2e-2 off after 5 steps)."""
     net, ref = make_net(), make_net()
     opt = ours(net)
@@ -100,7 +99,7 @@ def test_momentum_schedules_cycle_muon_momentum_like_torch_muon(sched):
 
 def test_skip_nonfinite_does_not_skip_large_finite_fp16_gradients():
     """A finite fp16 gradient whose norm exceeds fp16's max (65504) is not a reason to skip.
-    Fails today: the finiteness check takes the norm in fp16, which overflows to Inf."""
+    Before the fix: the finiteness check takes the norm in fp16, which overflows to Inf."""
     def run(skip, grad_value):
         p = nn.Parameter(torch.full((64, 64), 0.5, dtype=torch.float16))
         p.grad = torch.full((64, 64), grad_value, dtype=torch.float16)
@@ -158,7 +157,7 @@ def test_muon_group_takes_bf16_grads_of_fp32_params_like_torch_muon():
 
 def test_maximize_in_muon_and_adamw_groups():
     """``maximize=True`` ascends: Muon groups as torch.optim.Muon fed -grad, AdamW groups as
-    torch.optim.AdamW(maximize=True). Fails today: the key is ignored in both kinds of group.
+    torch.optim.AdamW(maximize=True). Before the fix: the key is ignored in both kinds of group.
     (muon.py: read ``maximize`` per group, negate the Muon gradient before the momentum, and
     call ``adamw.adamw_group_step_`` for AdamW groups, which honours it.)"""
     net, ref = make_net(), make_net()
@@ -205,7 +204,7 @@ def _closure_rank(rank, world):
 
 
 def test_closure_failure_on_one_rank_fails_every_rank():
-    """Fails today: rank 1 raises inside its closure and leaves; rank 0 waits in the step's
+    """Before the fix: rank 1 raises inside its closure and leaves; rank 0 waits in the step's
     agreement all-reduce until the timeout. Expected: rank 1 raises its own error, rank 0 a
     RuntimeError saying another rank's closure failed, both at once (the closure's outcome is one
     more fact in the step's agreement)."""
