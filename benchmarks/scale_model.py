@@ -49,7 +49,7 @@ Assumptions (stated again in the Markdown output):
   plan's own count: gather send + receive + assembled matrices + scatter send +
   receive (+ R x X for the all-gather).  Plus the Newton-Schulz workspace of the
   largest batch the rank runs in the computing chunk (same-shape owned jobs are one
-  batched call): X, its next iterate, A = X X^T and B, (2 m n + 2 m^2) elements per
+  batched call, one call each where a shard group has one rank): X, its next iterate, A = X X^T and B, (2 m n + 2 m^2) elements per
   matrix (m the smaller dim) in the compute dtype.  The units a rank holds whole run
   first, every same-shape group in one batched call (``pipeline.run_local``): the
   stacked momentum (state dtype) plus the workspace of the largest group, while the
@@ -225,7 +225,7 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
     sent, received, exchange_sent = [0] * world, [0] * world, [0] * world
     world_bytes = {"gather": 0, "scatter": 0, "exchange": 0, "exchange_payload": 0}
     chunk_buffers: list[list[int]] = []
-    chunk_exchange: list[bool] = []
+    chunk_exchange: list[list[bool]] = []  # [chunk][rank]: a replica all-gather follows its scatter
     workspace: list[list[int]] = []  # [chunk][rank] NS workspace bytes
     all_costs: list[float] = []
     all_owners: list[int] = []
@@ -251,7 +251,7 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
             all_chunks.append([base + k for k in chunk])
             own = [0] * world  # padded piece elements of the jobs each rank owns
             in_group: dict[tuple, int] = {}  # T: pieces of the jobs owned in each shard group
-            batches: list[dict] = [{} for _ in range(world)]  # owner -> shape -> elements of NS workspace
+            batches: list[dict] = [{} for _ in range(world)]  # owner -> batch -> elements of NS workspace
             for k in chunk:
                 j: WorldJob = jobs[k]
                 p = params[j.param]
@@ -266,14 +266,15 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
                 world_bytes["scatter"] += (S - 1) * b * item
                 if split:
                     world_bytes["exchange_payload"] += (R - 1) * math.prod(j.shape) * item
-                ws = batches[j.owner]
-                ws[j.shape] = ws.get(j.shape, 0) + _ns_workspace(j.shape)
-            buffers, spaces = [0] * world, [0] * world
-            exchanged = False
+                # same-shape owned jobs are one batched call, except where the pieces already
+                # are the unit (a shard group of 1: zero-copy, one call each)
+                ws, key = batches[j.owner], (j.shape if S > 1 else k)
+                ws[key] = ws.get(key, 0) + _ns_workspace(j.shape)
+            buffers, spaces, exchanged = [0] * world, [0] * world, [False] * world
             for r in range(world):
                 T, O = in_group.get(group_of[r], 0), own[r]
                 x = max(in_group.get(g, 0) for g in peers[group_of[r][0]]) if split else 0
-                exchanged |= x > 0
+                exchanged[r] = x > 0
                 s = (T - O) + (S - 1) * O + (R - 1) * x
                 v = (S - 1) * O + (T - O) + (R - 1) * x
                 sent[r] += s * item
@@ -304,7 +305,7 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
         best = batch + sum(chunk_buffers[c][r] for c in range(min(n, lookahead + 1)))
         for k in range(n):
             live = list(range(max(0, k - 1), min(n, k + lookahead + 1)))
-            if k >= 2 and chunk_exchange[k - 2]:
+            if k >= 2 and chunk_exchange[k - 2][r]:
                 live.append(k - 2)
             best = max(best, sum(chunk_buffers[c][r] for c in live) + workspace[k][r])
         peak[r] = best

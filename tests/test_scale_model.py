@@ -277,7 +277,45 @@ CASES = [  # model, mesh, expert dim, replica_split
     ("deepseek-v3", (2, 4), 0, "auto"),
     ("llama3-70b", (2, 4), None, "never"),
     ("qwen3-235b-a22b", (3, 5), 0, "auto"),  # uneven: 128 experts on 5 ranks, padded pieces
+    ("qwen3-235b-a22b", (5,), 0, "never"),  # experts held whole, unevenly: 26, 26, 26, 26, 24
 ]
+LOOKAHEAD, STATE_BYTES, COMPUTE_BYTES = 1, 4, 2
+
+
+def _workspace(shape) -> int:
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * (2 * m * m + 2 * m * n)
+
+
+def _chunk_bytes(chunk) -> int:
+    """A chunk's buffers on this rank, from the plan's sizes: gather send, receive and the
+    assembled matrices, scatter send and receive, and the replica all-gather's output."""
+    item = torch.empty((), dtype=chunk.wire_dtype).element_size()
+    whole = chunk.segment * chunk.shard_size
+    return item * (chunk.send_numel + 2 * whole + whole + chunk.scatter_recv_numel
+                   + chunk.exchange_length * chunk.replica_size)
+
+
+def _expected_peak(step) -> int:
+    """The pipeline docstring's rule on build_plan's chunks: lookahead + 2 chunks (+1 while a
+    replica all-gather is in flight), plus the computing chunk's largest batched NS workspace;
+    before chunk 0, the units held whole, each same-shape group stacked (run_local)."""
+    buffers = [_chunk_bytes(c) for c in step.chunks]
+    groups: dict = {}
+    for job in step.local:
+        groups[job.shape] = groups.get(job.shape, 0) + 1
+    local = max((k * (math.prod(s) * STATE_BYTES + _workspace(s) * COMPUTE_BYTES) for s, k in groups.items()),
+                default=0)
+    peak = local + sum(buffers[: LOOKAHEAD + 1])
+    for k, chunk in enumerate(step.chunks):
+        batched = {i for b in chunk.batches for i in b}
+        spaces = [sum(_workspace(chunk.owned[i].shape) for i in b) for b in chunk.batches]
+        spaces += [_workspace(o.shape) for i, o in enumerate(chunk.owned) if i not in batched]
+        live = list(range(max(0, k - 1), min(len(buffers), k + LOOKAHEAD + 1)))
+        if k >= 2 and step.chunks[k - 2].exchange_length:
+            live.append(k - 2)
+        peak = max(peak, sum(buffers[c] for c in live) + max(spaces, default=0) * COMPUTE_BYTES)
+    return peak
 
 
 @pytest.mark.parametrize("name,mesh,expert_dim,split", CASES)
@@ -288,7 +326,8 @@ def test_owners_loads_and_bytes_are_the_optimizers(bench, models, name, mesh, ex
     p3 = (Replicate(), Shard(expert_dim or 0)) if hsdp else (Shard(expert_dim or 0),)
     settings = PlanSettings(replica_split=split, replica_min_flops_per_byte=AUTO)
     layout = bench.Layout(mesh[0] if hsdp else 1, mesh[-1], expert_dim)
-    plan = bench.measure(bench.plan_params(model, layout, 5, torch.bfloat16), settings, 1, 4, 2)
+    plan = bench.measure(bench.plan_params(model, layout, 5, torch.bfloat16), settings, LOOKAHEAD, STATE_BYTES,
+                         COMPUTE_BYTES)
 
     # The benchmark's owners and chunks are world_jobs' on parameters built here.
     mine = world_jobs(_params_here(model, mesh, p2, p3), settings)
@@ -298,6 +337,7 @@ def test_owners_loads_and_bytes_are_the_optimizers(bench, models, name, mesh, ex
 
     # Every rank's load, traffic and largest chunk buffers are what build_plan gives that rank.
     params = _params_here(model, mesh, p2, p3)
+    per_chunk, local = [], []  # [rank][chunk] owned FLOPs, [rank] FLOPs of units held whole
     for rank in range(math.prod(mesh)):
         step = build_plan(params, rank, settings, lambda ranks, mesh, dims: tuple(ranks))
         assert plan.load[rank] == pytest.approx(step.load, rel=1e-12), rank
@@ -305,6 +345,14 @@ def test_owners_loads_and_bytes_are_the_optimizers(bench, models, name, mesh, ex
         assert plan.received[rank] == step.bytes_received, rank
         assert max((c[rank] for c in plan.chunk_buffers), default=0) == step.peak_chunk_bytes, rank
         assert len(plan.chunk_buffers) == len(step.chunks)
+        assert plan.peak[rank] == _expected_peak(step), rank
+        per_chunk.append([sum(_flops(o.shape) for o in c.owned) for c in step.chunks])
+        local.append(sum(_flops(j.shape) for j in step.local))
+    # Units held whole run while chunk 0's gathers travel: they count in chunk 0.
+    chunks = len(per_chunk[0])
+    path = sum(max(loads[k] + (local[r] if k == 0 else 0) for r, loads in enumerate(per_chunk))
+               for k in range(chunks)) if chunks else max(local)
+    assert plan.critical_path == pytest.approx(path, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------
