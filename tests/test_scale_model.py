@@ -220,6 +220,27 @@ def test_one_matrix_by_hand(bench):
     assert plan.critical_path == _flops((8, 8))
 
 
+def test_units_held_whole_count_in_chunk_0(bench):
+    """2 ranks: experts [3, 8, 8] Shard(0) are held 2 + 1; the matrices 16^2, 3 x 12^2 are one chunk.
+
+    Square n x n costs 2 * 5 * 3 n^3 = 30 n^3 (16: 122880, 12: 51840, 8: 15360).  LPT
+    (largest first, to the least-loaded rank): 16 -> rank 0; each 12 -> rank 1, whose load
+    (0, 51840, 103680) stays under rank 0's.  Chunks: at most busiest total / largest
+    = 155520 / 122880, so 1.
+    """
+    c = {n: 30 * n**3 for n in (8, 12, 16)}
+    model = SimpleNamespace(name="tiny", muon_params=[("e", (3, 8, 8)), ("a", (16, 16))]
+                            + [(f"b{i}", (12, 12)) for i in range(3)])
+    params = bench.plan_params(model, bench.Layout(1, 2, 0), 5, torch.bfloat16)
+    plan = bench.measure(params, PlanSettings(), lookahead=1, state_bytes=4, compute_bytes=2)
+    assert plan.local_load == [2 * c[8], c[8]]
+    assert plan.load == [2 * c[8] + c[16], c[8] + 3 * c[12]]
+    assert len(plan.chunk_buffers) == 1
+    # Units held whole run while chunk 0's gathers travel: max over ranks of (held + chunk 0).
+    assert plan.critical_path == max(2 * c[8] + c[16], c[8] + 3 * c[12])
+    assert plan.critical_path < max(2 * c[8], c[8]) + max(c[16], 3 * c[12])  # not a chunk of their own
+
+
 # ----------------------------------------------------------------------------
 # Bounds that hold whatever the owners
 # ----------------------------------------------------------------------------
