@@ -12,7 +12,8 @@ jobs are cut into chunks.  This file only measures that plan.
 Assumptions (stated again in the Markdown output):
 - Layouts.  FSDP: a 1-D mesh of n ranks, ``Shard(0)`` on every 2-D matrix.  HSDP: an
   (R, S) mesh, replicas outer and shards inner as in torchtitan, ``(Replicate(),
-  Shard(0))``.  MoE expert weights ``[E, out, in]`` are modelled both ways FSDP2 can
+  Shard(0))``; ``--rank-order shard-major`` numbers a shard position's replicas
+  consecutively instead (the planner breaks ties by rank).  MoE expert weights ``[E, out, in]`` are modelled both ways FSDP2 can
   shard them: ``Shard(1)`` (every rank holds a slice of every expert's rows: the plan
   gathers expert ranges like matrices) and ``Shard(0)`` (whole experts per rank:
   orthogonalised where they are, no communication; with E < S ranks, torch.chunk
@@ -116,6 +117,15 @@ class Layout:
     replicas: int
     shards: int
     expert_dim: int | None  # tensor dim FSDP shards on an [E, out, in] weight (None: no experts)
+    shard_major: bool = False  # HSDP global ranks numbered shard position first (r + R s), not r S + s
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks of the mesh in row-major order (what ``mesh.mesh.flatten()`` gives)."""
+        R, S = self.replicas, self.shards
+        if not self.shard_major:
+            return tuple(range(R * S))
+        return tuple(r + R * s for r in range(R) for s in range(S))
 
     @property
     def world(self) -> int:
@@ -144,7 +154,7 @@ def titan_expert_dim(model: ModelShapes, shards: int) -> int | None:
 
 def plan_params(model: ModelShapes, layout: Layout, ns_steps: int, wire_dtype: torch.dtype) -> list[PlanParam]:
     """The model's Muon matrices as the optimizer's planner sees them (one param group)."""
-    grid = MeshGrid(layout.mesh, tuple(range(layout.world)))
+    grid = MeshGrid(layout.mesh, layout.ranks)
     cpu = torch.device("cpu")
     out = []
     for name, shape in model.muon_params:
@@ -195,6 +205,8 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
     lay0 = params[0].layout
     grid = lay0.grid
     world = len(grid.ranks)
+    if sorted(grid.ranks) != list(range(world)):
+        raise ValueError(f"measure: the mesh's ranks must be 0..{world - 1} (per-rank lists are indexed by rank)")
     coords = [grid.coordinate(r) for r in range(world)]
     patterns = world_jobs(params, settings)
 
@@ -230,7 +242,7 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
     all_costs: list[float] = []
     all_owners: list[int] = []
     all_chunks: list[list[int]] = []
-    piece_cache: dict[int, tuple[int, int]] = {}
+    piece_cache: dict[tuple, tuple[int, int]] = {}
     for jobs, chunks in patterns:
         lay = params[jobs[0].param].layout
         S, R = lay.shard_group_size, lay.num_replicas
@@ -255,7 +267,7 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
             for k in chunk:
                 j: WorldJob = jobs[k]
                 p = params[j.param]
-                pid = id(p.layout)
+                pid = (p.shape, p.layout.placements)  # one grid: same shape and placements, same pieces
                 if pid not in piece_cache:
                     piece_cache[pid] = _max_piece(p.layout)
                 b = math.prod(j.shape[:-2]) * math.prod(piece_cache[pid])
@@ -349,6 +361,7 @@ def evaluate(model: ModelShapes, layout: Layout, replica_split: str | None, args
         "replicas": layout.replicas,
         "shards": layout.shards,
         "expert_dim": layout.expert_dim,
+        "rank_order": "shard-major" if layout.shard_major else "replica-major",
         "titan": layout.expert_dim == titan_expert_dim(model, layout.shards),
         "replica_split": replica_split,
         "split_matrices": split_names,
@@ -385,11 +398,12 @@ def evaluate(model: ModelShapes, layout: Layout, replica_split: str | None, args
     }
 
 
-def layouts_to_model(model: ModelShapes, replicas: int, shards: int, expert_dims) -> list[Layout]:
+def layouts_to_model(model: ModelShapes, replicas: int, shards: int, expert_dims,
+                     shard_major: bool = False) -> list[Layout]:
     """One layout per expert placement asked for (dense models: one)."""
     if titan_expert_dim(model, shards) is None:
-        return [Layout(replicas, shards, None)]
-    return [Layout(replicas, shards, d) for d in expert_dims]
+        return [Layout(replicas, shards, None, shard_major)]
+    return [Layout(replicas, shards, d, shard_major) for d in expert_dims]
 
 
 # ----------------------------------------------------------------------------
@@ -643,6 +657,9 @@ def main(argv=None):
     p.add_argument("--hsdp", type=_mesh, nargs="*", default=[_mesh(m) for m in DEFAULT_HSDP],
                    help="HSDP meshes RxS (replicas x shards)")
     p.add_argument("--hsdp-models", nargs="*", default=DEFAULT_HSDP_MODELS, help="models modelled under HSDP")
+    p.add_argument("--rank-order", choices=("replica-major", "shard-major"), default="replica-major",
+                   help="HSDP global rank numbering: replica-major (torchtitan: a replica's shards are "
+                        "consecutive ranks) or shard-major (a shard position's replicas are)")
     p.add_argument("--experts", type=int, nargs="+", choices=(0, 1), default=[1, 0],
                    help="tensor dims FSDP shards on [E, out, in] expert weights (each modelled)")
     p.add_argument("--chunk-size", type=int, default=None,
@@ -687,12 +704,14 @@ def main(argv=None):
         if m.name not in args.hsdp_models:
             continue
         for r, s in args.hsdp:
-            for lay in layouts_to_model(m, r, s, args.experts):
+            for lay in layouts_to_model(m, r, s, args.experts, args.rank_order == "shard-major"):
                 results += [evaluate(m, lay, split, args) for split in REPLICA_SPLITS]
     elapsed = time.perf_counter() - t0
 
     print_table(results)
-    print()
+    print("\nBytes per rank and step (wire dtype, padded pieces): sent = received = T - O + (S - 1) O + (R - 1) X;\n"
+          "T = pieces of the jobs owned in the rank's shard group, O = of the jobs it owns, X = the longest\n"
+          "replica all-gather contribution in its replica group (split units only).  * = torchtitan's expert dim.\n")
     print(f"Target: busiest rank and chunked critical path <= {TARGET:.2f}x ideal at "
           f"{TARGET_RANKS[0]}-{TARGET_RANKS[-1]} ranks (FSDP, torchtitan's expert placement):")
     for r in target_rows(results):

@@ -282,17 +282,18 @@ def test_every_cost_goes_through_one_function(bench, models, monkeypatch):
 # ----------------------------------------------------------------------------
 
 
-def _params_here(model, mesh, placements_2d, placements_3d):
+def _params_here(model, mesh, placements_2d, placements_3d, ranks=None):
     """PlanParams built from the shapes in this test (not by the benchmark)."""
-    grid = MeshGrid(tuple(mesh), tuple(range(math.prod(mesh))))
+    grid = MeshGrid(tuple(mesh), tuple(ranks or range(math.prod(mesh))))
     return [PlanParam(name=n, shape=tuple(s),
                       layout=ParamLayout(tuple(s), grid, placements_3d if len(s) == 3 else placements_2d),
                       wire_dtype=torch.bfloat16, device=torch.device("cpu"), ns_key=0, cost=_flops)
             for n, s in model.muon_params]
 
 
-CASES = [  # model, mesh, expert dim, replica_split
+CASES = [  # model, mesh, expert dim, replica_split[, shard-major rank order]
     ("deepseek-v3", (8,), 1, "never"),
+    ("llama3-70b", (2, 4), None, "always", True),  # ranks 0 4 1 5 2 6 3 7 on the (2, 4) mesh
     ("deepseek-v3", (8,), 0, "never"),
     ("deepseek-v3", (2, 4), 1, "always"),
     ("deepseek-v3", (2, 4), 0, "auto"),
@@ -339,25 +340,30 @@ def _expected_peak(step) -> int:
     return peak
 
 
-@pytest.mark.parametrize("name,mesh,expert_dim,split", CASES)
-def test_owners_loads_and_bytes_are_the_optimizers(bench, models, name, mesh, expert_dim, split):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_owners_loads_and_bytes_are_the_optimizers(bench, models, case):
+    name, mesh, expert_dim, split, *rest = case
+    shard_major = bool(rest and rest[0])
     model = models[name]
+    ranks = [r + mesh[0] * s for r in range(mesh[0]) for s in range(mesh[-1])] if shard_major else None
     hsdp = len(mesh) == 2
     p2 = (Replicate(), Shard(0)) if hsdp else (Shard(0),)
     p3 = (Replicate(), Shard(expert_dim or 0)) if hsdp else (Shard(expert_dim or 0),)
     settings = PlanSettings(replica_split=split, replica_min_flops_per_byte=AUTO)
-    layout = bench.Layout(mesh[0] if hsdp else 1, mesh[-1], expert_dim)
+    layout = bench.Layout(mesh[0] if hsdp else 1, mesh[-1], expert_dim, shard_major)
+    if shard_major:
+        assert list(layout.ranks) == ranks
     plan = bench.measure(bench.plan_params(model, layout, 5, torch.bfloat16), settings, LOOKAHEAD, STATE_BYTES,
                          COMPUTE_BYTES)
 
     # The benchmark's owners and chunks are world_jobs' on parameters built here.
-    mine = world_jobs(_params_here(model, mesh, p2, p3), settings)
+    mine = world_jobs(_params_here(model, mesh, p2, p3, ranks), settings)
     assert [[(j.param, j.shape, j.owner, j.split) for j in jobs] for jobs, _ in plan.patterns] == \
         [[(j.param, j.shape, j.owner, j.split) for j in jobs] for jobs, _ in mine]
     assert [chunks for _, chunks in plan.patterns] == [chunks for _, chunks in mine]
 
     # Every rank's load, traffic and largest chunk buffers are what build_plan gives that rank.
-    params = _params_here(model, mesh, p2, p3)
+    params = _params_here(model, mesh, p2, p3, ranks)
     per_chunk, local = [], []  # [rank][chunk] owned FLOPs, [rank] FLOPs of units held whole
     for rank in range(math.prod(mesh)):
         step = build_plan(params, rank, settings, lambda ranks, mesh, dims: tuple(ranks))
