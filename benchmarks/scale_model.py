@@ -1,42 +1,65 @@
 """Scale model of parallel Muon: compute balance, traffic and memory per rank, 8 to 1024 ranks.
 
-    python benchmarks/scale_model.py [--ranks 8 64 ...] [--chunk-size N] [--out bench_results/]
+    python benchmarks/scale_model.py [--ranks 8 64 ...] [--hsdp 8x128 16x64 ...] [--out bench_results/]
 
-Nothing runs on a device: the numbers come from the parameter shapes in model_shapes.py
-and the owner plan of optimizer/owners.py (the same code every rank runs).  Runs in
-seconds on one CPU.
+Nothing runs on a device.  The parameter shapes come from model_shapes.py; the plan
+(units, owners, chunks) is the optimizer's own: every parameter becomes an
+``optimizer.plan.PlanParam`` with a ``ParamLayout`` on a ``MeshGrid`` of global
+ranks, and ``optimizer.plan.world_jobs`` (the rank-independent part of
+``build_plan``, which every rank runs) says who orthogonalises what and how the
+jobs are cut into chunks.  This file only measures that plan.
 
 Assumptions (stated again in the Markdown output):
-- One shard group of all n ranks (pure FSDP), every Muon matrix split evenly over all n
-  ranks along a matrix dim, so every rank holds 1/n of every work unit.  (FSDP2's default
-  Shard(0) on an [E, out, in] expert weight shards the expert dim instead: then an expert
-  lives on one rank, and an owner placed there would move no bytes.  That is not modelled:
-  for expert weights the traffic below is an upper bound.)
-- Gradients are gathered and updates scattered in bf16 (--grad-bytes 2); Newton-Schulz
-  workspace in bf16 (CUDA default compute dtype).
-- Parallel Muon, per work unit of B bytes with owner o: every other rank sends its B/n
-  shard to o (gather) and receives its B/n update shard from o (scatter); o receives and
-  sends (n-1)/n * B.  Sent and received bytes are therefore equal per rank.
-- Gather-everything baseline: every gradient is all-gathered to every rank ((n-1)/n of
-  all bytes received, and as many sent in a ring), and every rank runs Newton-Schulz on
-  every matrix.
-- Chunks: cut by optimizer.owners.chunk_order, the function the real pipeline
-  (pipeline.plan_chunks) uses: each owner's units largest first, chunks filled
-  round-robin over owners, --chunk-size units each (default: n, so chunk k holds every
-  rank's k-th largest unit while every rank still has one).  Units: "split" = expert
-  ranges from plan_units, which the real pipeline also cuts (pipeline.split_expert_jobs;
-  it keeps a weight whole where a rank's experts are not contiguous locally); "whole" =
-  one unit per parameter, for comparison.
-- Memory: as in pipeline.run_parallel_muon with lookahead L, while chunk k is computed
-  chunk k-1's scatter and the gathers of chunks k+1..k+L are in flight: L+2 chunks.
-  Extra memory of a rank per chunk = its owned full matrices twice (gathered gradient
-  and the update it scatters) + its own shards twice (gather send and scatter receive
-  buffers), plus, for chunk k, the Newton-Schulz workspace of the largest unit it owns
-  there (X, X X^T and the polynomial of it: (m n + 2 m^2) per matrix).  Peak = worst k.
-- Chunked critical path: if every chunk's all-to-alls were a barrier, compute time =
-  sum over chunks of the busiest rank's load in that chunk (>= busiest/mean, with
-  equality only when one rank is the busiest in every chunk).
-- FLOPs: the Newton-Schulz matmuls only (newton_schulz_flops), 5 steps by default.
+- Layouts.  FSDP: a 1-D mesh of n ranks, ``Shard(0)`` on every 2-D matrix.  HSDP: an
+  (R, S) mesh, replicas outer and shards inner as in torchtitan, ``(Replicate(),
+  Shard(0))``; ``--rank-order shard-major`` numbers a shard position's replicas
+  consecutively instead (the planner breaks ties by rank).  MoE expert weights
+  ``[E, out, in]`` are modelled both ways FSDP2 can shard them: ``Shard(1)`` (every
+  rank holds a slice of every expert's rows: the plan gathers expert ranges like
+  matrices) and ``Shard(0)`` (whole experts per rank: orthogonalised where they are,
+  no communication; with E < S ranks, torch.chunk leaves S - E ranks without
+  experts).  torchtitan picks ``Shard(1)`` when the shard group is larger than E,
+  else ``Shard(0)``; "*" in the experts column marks that choice, and the targets
+  are judged on it.
+- HSDP plans: ``replica_split="never"`` (before: every replica orthogonalises its own
+  copy), ``"always"`` (after: once in the world, the update all-gathered over the
+  replica group) and ``"auto"`` with the CUDA default threshold
+  (``muon.DEFAULT_REPLICA_FLOPS_PER_BYTE["cuda"]`` FLOPs per byte of update shipped).
+- Cost: Newton-Schulz matmul FLOPs, every figure through ``_ns_cost`` (one function,
+  also the planner's cost callback).  Ideal = one copy of the model's FLOPs / world
+  size.  Lower bound (LB) = max(FLOPs the plan runs in the world / world size, its
+  largest unit): with "never", R copies are run, so LB is R times the ideal.
+- Busiest rank: its owned jobs plus the units it orthogonalises where they are.
+- Chunked critical path: ranks meet at every chunk's all-to-alls, so compute time is
+  about the sum over chunks (all patterns, plan order) of the busiest rank's load in
+  that chunk (``owners.chunked_critical_path``); the units a rank holds whole run
+  while chunk 0's gathers travel, so they count in chunk 0.
+- Traffic per step, from the jobs (wire dtype, padded blocks exactly as the plan
+  ships them: every member's piece of a unit is padded to the largest member's
+  piece).  For a job of padded piece b owned by o in a shard group of S ranks: gather:
+  every other member sends b to o; scatter: o sends b back to each of them.  So a
+  rank sends T - O + (S - 1) O and receives (S - 1) O + T - O, where T = pieces of
+  the jobs owned in its shard group and O = pieces of the jobs it owns (sent =
+  received).  Split over R replicas, each chunk then all-gathers over the replica
+  group every rank's scatter receive buffer, padded to the longest in the group (X):
+  a rank sends and receives (R - 1) X more.  Totals over the world: gather = scatter
+  = sum of (S - 1) b over jobs; exchange payload = (R - 1) x the bytes of the split
+  units; sent = received.
+- Memory per rank, extra to parameters, gradients and optimizer state: the
+  pipeline's buffers of L + 2 chunks (the one computing, L gathers ahead, the previous
+  one scattering), one more while a replica all-gather is in flight; per chunk the
+  plan's own count: gather send + receive + assembled matrices + scatter send +
+  receive (+ R x X for the all-gather).  Plus the Newton-Schulz workspace of the
+  largest batch the rank runs in the computing chunk (same-shape owned jobs are one
+  batched call; one call each where a shard group has one rank): X, its next iterate,
+  A = X X^T and B, (2 m n + 2 m^2) elements per matrix (m the smaller dim) in the
+  compute dtype.  The units a rank holds whole run
+  first, every same-shape group in one batched call (``pipeline.run_local``): the
+  stacked momentum (state dtype) plus the workspace of the largest group, while the
+  first L + 1 chunks' gathers are in flight.  Peak = worst point of the step.
+- Gather-everything baseline: every rank all-gathers every matrix of its shard
+  group ((S - 1) / S of the model's bytes received per rank) and runs every
+  Newton-Schulz itself.
 """
 
 from __future__ import annotations
@@ -45,173 +68,435 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
+from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "torch-ext"))
 sys.path.insert(0, HERE)
 
+import torch  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+
 from model_shapes import ModelShapes, all_models, total_params  # noqa: E402
-from optimizer.owners import assign_units, chunk_order, load_imbalance, plan_units  # noqa: E402
+from optimizer.distributed.layout import MeshGrid, ParamLayout  # noqa: E402
+from optimizer.muon import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
+from optimizer.newton_schulz import newton_schulz_flops  # noqa: E402
+from optimizer.owners import chunked_critical_path  # noqa: E402
+from optimizer.plan import PlanParam, PlanSettings, WorldJob, world_jobs  # noqa: E402
 
 TARGET = 1.10
+TARGET_RANKS = (512, 1024)  # issue 10: busiest and critical path <= 1.10x ideal here, MoE models
 DEFAULT_RANKS = [8, 16, 32, 64, 128, 256, 512, 1024]
+DEFAULT_HSDP = ["2x4", "2x32", "4x64", "8x64", "8x128", "16x64"]
+DEFAULT_HSDP_MODELS = ["llama3-70b", "deepseek-v3"]
+REPLICA_SPLITS = ("never", "auto", "always")
+CUDA_FLOPS_PER_BYTE = DEFAULT_REPLICA_FLOPS_PER_BYTE["cuda"]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MiB = 2**20
 
 
-def _numel(shape) -> int:
-    return math.prod(shape)
+def _ns_cost(shape, ns_steps: int) -> float:
+    """Newton-Schulz FLOPs of one unit: every cost in this model goes through here."""
+    return float(newton_schulz_flops(shape, ns_steps))
 
 
-def _unit_shape(shape, unit):
-    if unit.expert_slice is None:
-        return tuple(shape)
-    return (unit.expert_slice.stop - unit.expert_slice.start,) + tuple(shape[1:])
+def _item(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
-def _ns_workspace_elems(shape) -> int:
+# ----------------------------------------------------------------------------
+# Layouts and the planner's inputs
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """An FSDP (replicas == 1, 1-D mesh) or HSDP ((replicas, shards) mesh) layout."""
+
+    replicas: int
+    shards: int
+    expert_dim: int | None  # tensor dim FSDP shards on an [E, out, in] weight (None: no experts)
+    shard_major: bool = False  # HSDP global ranks numbered shard position first (r + R s), not r S + s
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks of the mesh in row-major order (what ``mesh.mesh.flatten()`` gives)."""
+        R, S = self.replicas, self.shards
+        if not self.shard_major:
+            return tuple(range(R * S))
+        return tuple(r + R * s for r in range(R) for s in range(S))
+
+    @property
+    def world(self) -> int:
+        return self.replicas * self.shards
+
+    @property
+    def kind(self) -> str:
+        return "fsdp" if self.replicas == 1 else "hsdp"
+
+    @property
+    def mesh(self) -> tuple[int, ...]:
+        return (self.shards,) if self.replicas == 1 else (self.replicas, self.shards)
+
+    def placements(self, ndim: int) -> tuple:
+        shard = Shard(self.expert_dim if ndim >= 3 else 0)
+        return (shard,) if self.replicas == 1 else (Replicate(), shard)
+
+
+def titan_expert_dim(model: ModelShapes, shards: int) -> int | None:
+    """The expert dim torchtitan's FSDP shards: 1 when the shard group outnumbers the experts."""
+    experts = [s[0] for _, s in model.muon_params if len(s) >= 3]
+    if not experts:
+        return None
+    return 1 if shards > min(experts) else 0
+
+
+def plan_params(model: ModelShapes, layout: Layout, ns_steps: int, wire_dtype: torch.dtype) -> list[PlanParam]:
+    """The model's Muon matrices as the optimizer's planner sees them (one param group)."""
+    grid = MeshGrid(layout.mesh, layout.ranks)
+    cpu = torch.device("cpu")
+    out = []
+    for name, shape in model.muon_params:
+        lay = ParamLayout(tuple(shape), grid, layout.placements(len(shape)))
+        out.append(PlanParam(name=name, shape=tuple(shape), layout=lay, wire_dtype=wire_dtype, device=cpu,
+                             ns_key=0, cost=lambda s, k=ns_steps: _ns_cost(s, k)))
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Measuring a plan
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class WorldPlan:
+    """The world's plan (``world_jobs``) and what it means for every rank."""
+
+    patterns: list  # world_jobs' [(jobs, chunks)]
+    load: list[float]  # NS FLOPs per rank: owned jobs + units held whole
+    local_load: list[float]  # of which units held whole
+    sent: list[int]  # bytes per rank
+    received: list[int]
+    exchange_sent: list[int]  # of ``sent``: replica all-gathers
+    world_bytes: dict  # totals over the world: gather, scatter, exchange, exchange_payload
+    chunk_buffers: list[list[int]]  # [chunk (plan order)][rank] buffer bytes
+    peak: list[int]  # peak extra bytes per rank
+    critical_path: float
+    units: list[tuple[float, int, tuple, int]]  # (cost, param, shape, rank) of every job and unit held whole
+
+
+def _max_piece(lay: ParamLayout) -> tuple[int, int]:
+    """Rows and cols of the largest member's piece in a shard group (every member's is padded to it)."""
+    members = lay.shard_group(lay.grid.coordinate(0))
+    lengths = [lay.local_shape(lay.grid.coordinate(r)) for r in members]
+    return max(s[-2] for s in lengths), max(s[-1] for s in lengths)
+
+
+def _ns_workspace(shape) -> int:
+    """Elements of Newton-Schulz's live tensors for ``shape``: X, next X, A = X X^T, B."""
     m, n = sorted(shape[-2:])
-    return math.prod(shape[:-2]) * (m * n + 2 * m * m)
+    return math.prod(shape[:-2]) * (2 * m * n + 2 * m * m)
 
 
-def evaluate_plan(model: ModelShapes, num_ranks: int, split: bool, args) -> dict:
-    shapes = [s for _, s in model.muon_params]
-    names = [n for n, _ in model.muon_params]
-    n = num_ranks
-    units = plan_units(shapes, n, ns_steps=args.ns_steps, split_experts=split)
-    owners = assign_units(units, n)
-    costs = [u.cost for u in units]
-    total = sum(costs)
-    mean = total / n
+def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, state_bytes: int,
+            compute_bytes: int) -> WorldPlan:
+    """Per-rank load, traffic and memory of the plan ``world_jobs(params, settings)``."""
+    lay0 = params[0].layout
+    grid = lay0.grid
+    world = len(grid.ranks)
+    if sorted(grid.ranks) != list(range(world)):
+        raise ValueError(f"measure: the mesh's ranks must be 0..{world - 1} (per-rank lists are indexed by rank)")
+    coords = [grid.coordinate(r) for r in range(world)]
+    patterns = world_jobs(params, settings)
 
-    unit_bytes = [_numel(_unit_shape(shapes[u.param_index], u)) * args.grad_bytes for u in units]
-    flops = [0] * n
-    owned_bytes = [0] * n
-    for u, o, b in zip(units, owners, unit_bytes):
-        flops[o] += u.cost
-        owned_bytes[o] += b
-    total_bytes = sum(_numel(s) for s in shapes) * args.grad_bytes
-    busiest_rank = flops.index(max(flops))
-    held = sorted((u for u, o in zip(units, owners) if o == busiest_rank), key=lambda u: -u.cost)
-    largest = max(units, key=lambda u: u.cost)
+    load = [0.0] * world
+    units: list[tuple[float, int, tuple, int]] = []
+    # Units held whole (no pattern): each rank orthogonalises its own piece, as build_plan does.
+    planned = {j.param for jobs, _ in patterns for j in jobs}
+    local_load = [0.0] * world
+    local_groups: list[dict] = [{} for _ in range(world)]  # shape -> count, for run_local's batches
+    local_shapes: dict[tuple, list[tuple]] = {}
+    for i, p in enumerate(params):
+        if i in planned:
+            continue
+        key = (p.shape, p.layout.placements)
+        shapes = local_shapes.get(key)
+        if shapes is None:
+            shapes = local_shapes[key] = [p.layout.local_shape(c) for c in coords]
+        for r, shape in enumerate(shapes):
+            if math.prod(shape) == 0:
+                continue
+            c = p.cost(shape)
+            local_load[r] += c
+            units.append((c, i, shape, r))
+            local_groups[r][shape] = local_groups[r].get(shape, 0) + 1
+    for r in range(world):
+        load[r] += local_load[r]
 
-    # Traffic per rank (each direction): shards of units owned elsewhere, and (n-1)/n of own units.
-    sent = [(total_bytes - ob) / n + (n - 1) / n * ob for ob in owned_bytes]
+    sent, received, exchange_sent = [0] * world, [0] * world, [0] * world
+    world_bytes = {"gather": 0, "scatter": 0, "exchange": 0, "exchange_payload": 0}
+    chunk_buffers: list[list[int]] = []
+    chunk_exchange: list[list[bool]] = []  # [chunk][rank]: a replica all-gather follows its scatter
+    workspace: list[list[int]] = []  # [chunk][rank] NS workspace bytes
+    all_costs: list[float] = []
+    all_owners: list[int] = []
+    all_chunks: list[list[int]] = []
+    piece_cache: dict[tuple, tuple[int, int]] = {}
+    for jobs, chunks in patterns:
+        lay = params[jobs[0].param].layout
+        S, R = lay.shard_group_size, lay.num_replicas
+        split = jobs[0].split and R > 1
+        item = _item(params[jobs[0].param].wire_dtype)
+        # A rank's shard group, named by its (batch, replica) coordinates.
+        group_of = [(lay.batch_coordinate(c), lay.replica_coordinate(c)) for c in coords]
+        peers = {}  # batch -> every replica's group (for the replica all-gather)
+        for g in set(group_of):
+            peers.setdefault(g[0], []).append(g)
+        base = len(all_costs)
+        for j in jobs:
+            all_costs.append(j.cost)
+            all_owners.append(j.owner)
+            load[j.owner] += j.cost
+            units.append((j.cost, j.param, j.shape, j.owner))
+        for chunk in chunks:
+            all_chunks.append([base + k for k in chunk])
+            own = [0] * world  # padded piece elements of the jobs each rank owns
+            in_group: dict[tuple, int] = {}  # T: pieces of the jobs owned in each shard group
+            batches: list[dict] = [{} for _ in range(world)]  # owner -> batch -> elements of NS workspace
+            for k in chunk:
+                j: WorldJob = jobs[k]
+                p = params[j.param]
+                pid = (p.shape, p.layout.placements)  # one grid: same shape and placements, same pieces
+                if pid not in piece_cache:
+                    piece_cache[pid] = _max_piece(p.layout)
+                b = math.prod(j.shape[:-2]) * math.prod(piece_cache[pid])
+                own[j.owner] += b
+                g = group_of[j.owner]
+                in_group[g] = in_group.get(g, 0) + b
+                world_bytes["gather"] += (S - 1) * b * item
+                world_bytes["scatter"] += (S - 1) * b * item
+                if split:
+                    world_bytes["exchange_payload"] += (R - 1) * math.prod(j.shape) * item
+                # same-shape owned jobs are one batched call, except where the pieces already
+                # are the unit (a shard group of 1: zero-copy, one call each)
+                ws, key = batches[j.owner], (j.shape if S > 1 else k)
+                ws[key] = ws.get(key, 0) + _ns_workspace(j.shape)
+            buffers, spaces, exchanged = [0] * world, [0] * world, [False] * world
+            for r in range(world):
+                T, O = in_group.get(group_of[r], 0), own[r]
+                x = max(in_group.get(g, 0) for g in peers[group_of[r][0]]) if split else 0
+                exchanged[r] = x > 0
+                s = (T - O) + (S - 1) * O + (R - 1) * x
+                v = (S - 1) * O + (T - O) + (R - 1) * x
+                sent[r] += s * item
+                received[r] += v * item
+                exchange_sent[r] += (R - 1) * x * item
+                world_bytes["exchange"] += (R - 1) * x * item
+                buffers[r] = (T + 2 * S * O + S * O + T + (R * x if x else 0)) * item
+                spaces[r] = max(batches[r].values(), default=0) * compute_bytes
+            chunk_buffers.append(buffers)
+            chunk_exchange.append(exchanged)
+            workspace.append(spaces)
 
-    # Chunks as the real pipeline cuts them; per chunk and rank: owned bytes and load.
-    chunk = args.chunk_size or n
-    chunks = chunk_order(costs, owners, n, chunk)
-    buffers, load, workspace = [], [], []  # [chunk][rank]
-    for idx in chunks:
-        shards = 2 * sum(unit_bytes[j] for j in idx) / n  # gather send + scatter receive
-        buf, ld, ws = [shards] * n, [0] * n, [0] * n
-        for j in idx:
-            o = owners[j]
-            buf[o] += 2 * unit_bytes[j]  # gathered gradient + update to scatter
-            ld[o] += costs[j]
-            ushape = _unit_shape(shapes[units[j].param_index], units[j])
-            ws[o] = max(ws[o], _ns_workspace_elems(ushape) * args.ns_bytes)
-        buffers.append(buf)
-        load.append(ld)
-        workspace.append(ws)
-    num_chunks = len(chunks)
-    peak_mem = 0
-    for k in range(num_chunks):  # computing chunk k: k-1 scattering, k+1..k+L gathering
-        live = range(max(0, k - 1), min(num_chunks, k + args.lookahead + 1))
-        for r in range(n):
-            peak_mem = max(peak_mem, sum(buffers[j][r] for j in live) + workspace[k][r])
-    crit_path = sum(max(ld) for ld in load)
+    # Critical path: units held whole count in chunk 0 (they run while its gathers travel).
+    local_items = [r for r in range(world) if local_load[r] > 0]
+    lead = [len(all_costs) + k for k in range(len(local_items))]
+    costs = all_costs + [local_load[r] for r in local_items]
+    owners = all_owners + local_items
+    chunks = [list(c) for c in all_chunks] or [[]]
+    chunks[0] += lead
+    critical = chunked_critical_path(chunks, costs, owners)
 
-    return {
-        "split_requested": split,
-        "split_used": any(u.expert_slice is not None for u in units),
-        "num_units": len(units),
-        "total_ns_flops": total,
-        "busiest_ns_flops": max(flops),
-        "busiest_over_mean": max(flops) / mean,
-        "load_imbalance": load_imbalance(owners, costs, n),
-        "largest_unit_over_mean": largest.cost / mean,
-        "largest_unit": {
-            "param": names[largest.param_index],
-            "shape": list(_unit_shape(shapes[largest.param_index], largest)),
-        },
-        "ranks_idle": sum(1 for f in flops if f == 0),
-        "busiest_rank_num_units": len(held),
-        # The largest few, to say why that rank is busiest.
-        "busiest_rank_units": [
-            {"param": names[u.param_index], "shape": list(_unit_shape(shapes[u.param_index], u)),
-             "over_mean": u.cost / mean}
-            for u in held[:4]
-        ],
-        "bytes_sent_per_rank_max": max(sent),
-        "bytes_sent_per_rank_mean": sum(sent) / n,
-        "chunk_size_units": chunk,
-        "num_chunks": num_chunks,
-        "peak_extra_memory_bytes": peak_mem,
-        "chunked_critical_path_over_mean": crit_path / mean,
-    }
+    peak = [0] * world
+    n = len(chunk_buffers)
+    for r in range(world):
+        # units held whole: stacked momentum + NS workspace of each same-shape batch, first gathers in flight
+        batch = max((cnt * (math.prod(s) * state_bytes + _ns_workspace(s) * compute_bytes)
+                     for s, cnt in local_groups[r].items()), default=0)
+        best = batch + sum(chunk_buffers[c][r] for c in range(min(n, lookahead + 1)))
+        for k in range(n):
+            live = list(range(max(0, k - 1), min(n, k + lookahead + 1)))
+            if k >= 2 and chunk_exchange[k - 2][r]:
+                live.append(k - 2)
+            best = max(best, sum(chunk_buffers[c][r] for c in live) + workspace[k][r])
+        peak[r] = best
+    return WorldPlan(patterns, load, local_load, sent, received, exchange_sent, world_bytes,
+                     chunk_buffers, peak, critical, units)
 
 
-def evaluate(model: ModelShapes, num_ranks: int, args) -> dict:
-    n = num_ranks
-    total_bytes = sum(_numel(s) for _, s in model.muon_params) * args.grad_bytes
-    whole = evaluate_plan(model, n, False, args)
-    split = evaluate_plan(model, n, True, args)
+# ----------------------------------------------------------------------------
+# One row of the results
+# ----------------------------------------------------------------------------
+
+
+def _short(name: str) -> str:
+    """A parameter's name without its layer: which kind of matrix it is."""
+    return re.sub(r"^layers\.\d+\.", "", name).removesuffix(".weight")
+
+
+def evaluate(model: ModelShapes, layout: Layout, replica_split: str | None, args) -> dict:
+    wire = DTYPES[args.wire_dtype]
+    params = plan_params(model, layout, args.ns_steps, wire)
+    settings = PlanSettings(chunk_size=args.chunk_size, replica_split=replica_split or "never",
+                            replica_min_flops_per_byte=args.replica_flops_per_byte)
+    plan = measure(params, settings, args.lookahead, args.state_bytes, args.compute_bytes)
+    n = layout.world
+    total = sum(_ns_cost(p.shape, args.ns_steps) for p in params)  # one copy of the model
+    ideal = total / n
+    planned = sum(plan.load)
+    largest = max(plan.units, key=lambda u: u[0])
+    lower = max(planned / n, largest[0])
+    busiest = max(plan.load)
+    busiest_rank = plan.load.index(busiest)
+    held = sorted((u for u in plan.units if u[3] == busiest_rank), key=lambda u: -u[0])
+    model_bytes = sum(math.prod(p.shape) for p in params) * _item(wire)
+    split_names = sorted({_short(params[j.param].name) for jobs, _ in plan.patterns for j in jobs if j.split})
+    kept_names = sorted({_short(p.name) for p in params} - set(split_names)) if layout.replicas > 1 else []
     return {
         "model": model.name,
+        "layout": layout.kind,
+        "mesh": list(layout.mesh),
         "ranks": n,
-        "muon_param_bytes": total_bytes,
-        "whole": whole,
-        "split": split,
+        "replicas": layout.replicas,
+        "shards": layout.shards,
+        "expert_dim": layout.expert_dim,
+        "rank_order": "shard-major" if layout.shard_major else "replica-major",
+        "titan": layout.expert_dim == titan_expert_dim(model, layout.shards),
+        "replica_split": replica_split,
+        "split_matrices": split_names,
+        "unsplit_matrices": kept_names,
+        "num_jobs": sum(len(jobs) for jobs, _ in plan.patterns),
+        "num_chunks": len(plan.chunk_buffers),
+        "num_local_units": len(plan.units) - sum(len(jobs) for jobs, _ in plan.patterns),
+        "muon_param_bytes": model_bytes,
+        "total_ns_flops": total,
+        "planned_ns_flops": planned,
+        "ideal_ns_flops": ideal,
+        "busiest_ns_flops": busiest,
+        "busiest_over_ideal": busiest / ideal,
+        "busiest_over_lower_bound": busiest / lower,
+        "largest_unit_over_ideal": largest[0] / ideal,
+        "largest_unit": {"param": params[largest[1]].name, "shape": list(largest[2])},
+        "ranks_idle": sum(1 for x in plan.load if x == 0),
+        "busiest_rank_num_units": len(held),
+        "busiest_rank_units": [{"param": params[i].name, "shape": list(s), "over_ideal": c / ideal}
+                               for c, i, s, _ in held[:4]],
+        "critical_path_over_ideal": plan.critical_path / ideal,
+        "bytes_sent_per_rank_max": max(plan.sent),
+        "bytes_sent_per_rank_mean": sum(plan.sent) / n,
+        "bytes_received_per_rank_max": max(plan.received),
+        "bytes_received_per_rank_mean": sum(plan.received) / n,
+        "exchange_sent_per_rank_max": max(plan.exchange_sent),
+        "world_bytes": plan.world_bytes,
+        "peak_extra_memory_bytes": max(plan.peak),
+        "peak_extra_memory_bytes_mean": sum(plan.peak) / n,
         "gather_all": {
-            "bytes_sent_per_rank": (n - 1) / n * total_bytes,
-            "bytes_received_per_rank": (n - 1) / n * total_bytes,
-            "busiest_ns_flops": whole["total_ns_flops"],
-            "busiest_over_mean": float(n),
-            # Full gathered gradients of everything, plus the same for the NS output.
-            "peak_extra_memory_bytes": 2 * total_bytes,
+            "bytes_received_per_rank": (layout.shards - 1) / layout.shards * model_bytes,
+            "busiest_over_ideal": float(n),
         },
     }
+
+
+def layouts_to_model(model: ModelShapes, replicas: int, shards: int, expert_dims,
+                     shard_major: bool = False) -> list[Layout]:
+    """One layout per expert placement asked for (dense models: one)."""
+    if titan_expert_dim(model, shards) is None:
+        return [Layout(replicas, shards, None, shard_major)]
+    return [Layout(replicas, shards, d, shard_major) for d in expert_dims]
+
+
+# ----------------------------------------------------------------------------
+# Verdicts
+# ----------------------------------------------------------------------------
 
 
 def verdict(row: dict) -> str:
-    s = row["split"]
-    if s["busiest_over_mean"] <= TARGET:
-        return f"meets {TARGET:.2f}x (busiest {s['busiest_over_mean']:.3f}x mean)"
-    lu = s["largest_unit"]
-    if s["largest_unit_over_mean"] > TARGET or s["num_units"] < row["ranks"]:
-        why = (f"units do not allow it: {s['num_units']} units for {row['ranks']} ranks; the largest "
-               f"indivisible unit ({lu['param']} {lu['shape']}) is {s['largest_unit_over_mean']:.2f}x "
-               f"the mean per-rank load")
-    else:
-        held, num_held = s["busiest_rank_units"], s["busiest_rank_num_units"]
-        why = (f"units too coarse: {s['num_units'] / row['ranks']:.1f} units per rank, the largest "
-               f"{s['largest_unit_over_mean']:.2f}x the mean; the busiest rank holds "
-               + " + ".join(f"{u['param']} {u['shape']} ({u['over_mean']:.2f}x)" for u in held)
-               + (f" + {num_held - len(held)} more" if num_held > len(held) else ""))
-    return (f"misses {TARGET:.2f}x (busiest {s['busiest_over_mean']:.2f}x mean, "
-            f"{s['load_imbalance']:.2f}x the lower bound max(mean, largest unit)); {why}")
+    """Whether busiest rank and chunked critical path are within TARGET of the ideal, and if not why."""
+    b, c = row["busiest_over_ideal"], row["critical_path_over_ideal"]
+    head = f"busiest {b:.3f}x, critical path {c:.3f}x ideal"
+    if b <= TARGET and c <= TARGET:
+        return f"meets {TARGET:.2f}x ({head})"
+    why = []
+    units = row["num_jobs"] + row["num_local_units"]
+    lu = row["largest_unit"]
+    if row["largest_unit_over_ideal"] > TARGET:
+        why.append(f"the largest unit that cannot be cut ({lu['param']} {lu['shape']}) is "
+                   f"{row['largest_unit_over_ideal']:.2f}x the ideal")
+    if units < row["ranks"]:
+        why.append(f"{units} units for {row['ranks']} ranks ({row['ranks_idle']} ranks idle)")
+    if not why and row["ranks_idle"]:
+        why.append(f"{row['ranks_idle']} ranks hold no work (units held whole where they are)")
+    if not why and b > TARGET:
+        held = row["busiest_rank_units"]
+        why.append(f"the busiest rank ({b:.2f}x, {row['busiest_over_lower_bound']:.2f}x the lower bound) holds "
+                   + " + ".join(f"{u['param']} {u['shape']} ({u['over_ideal']:.2f}x)" for u in held)
+                   + (f" + {row['busiest_rank_num_units'] - len(held)} more"
+                      if row["busiest_rank_num_units"] > len(held) else ""))
+    if not why:
+        why.append(f"{row['num_chunks']} chunks: the per-chunk maxima add up to {c:.2f}x")
+    return f"misses {TARGET:.2f}x ({head}): " + "; ".join(why)
+
+
+def target_rows(results):
+    """FSDP rows the balance target is judged on: 512-1024 ranks, the expert placement torchtitan picks."""
+    return [r for r in results if r["layout"] == "fsdp" and r["ranks"] in TARGET_RANKS and r["titan"]]
+
+
+def hsdp_comparisons(results):
+    """(never, auto, always) rows of every HSDP (model, mesh, expert dim)."""
+    by: dict[tuple, dict] = {}
+    for r in results:
+        if r["layout"] == "hsdp":
+            by.setdefault((r["model"], r["replicas"], r["shards"], r["expert_dim"]), {})[r["replica_split"]] = r
+    return [(k, v) for k, v in by.items() if all(s in v for s in REPLICA_SPLITS)]
+
+
+def hsdp_line(key, rows) -> str:
+    model, R, S, d = key
+    nv, au, al = (rows[s] for s in REPLICA_SPLITS)
+    experts = "" if d is None else f", experts Shard({d}){' (titan)' if nv['titan'] else ''}"
+    kept = ", ".join(au["unsplit_matrices"]) or "none"
+    return (f"{model} {R}x{S}{experts}: busiest/ideal {nv['busiest_over_ideal']:.2f}x never -> "
+            f"{al['busiest_over_ideal']:.2f}x always ({au['busiest_over_ideal']:.2f}x auto); critical path "
+            f"{nv['critical_path_over_ideal']:.2f}x -> {al['critical_path_over_ideal']:.2f}x "
+            f"({au['critical_path_over_ideal']:.2f}x); "
+            f"MiB sent/rank max {_fmt_bytes(nv['bytes_sent_per_rank_max'])} -> "
+            f"{_fmt_bytes(al['bytes_sent_per_rank_max'])} ({_fmt_bytes(au['bytes_sent_per_rank_max'])}); "
+            f"auto keeps per replica: {kept}")
+
+
+# ----------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------
 
 
 def _fmt_bytes(b: float) -> str:
     return f"{b / MiB:,.0f}" if b >= 10 * MiB else f"{b / MiB:,.1f}"
 
 
-HEADER = ["model", "ranks", "units whole/split", "busiest/mean whole", "busiest/mean split",
-          "busiest/LB split", "MiB each way/rank parallel (busiest)", "MiB each way/rank gather-all",
-          "peak extra MiB whole/split", "chunked crit. path whole/split"]
+HEADER = ["model", "layout", "ranks", "experts", "replica split", "jobs/chunks", "busiest/ideal", "busiest/LB",
+          "crit. path/ideal", "MiB sent/rank max (mean)", "MiB recv/rank max", "of which all-gather",
+          "gather-all MiB recv", "peak extra MiB"]
+
+
+def _layout_name(r) -> str:
+    return "fsdp" if r["layout"] == "fsdp" else f"hsdp {r['replicas']}x{r['shards']}"
 
 
 def table_rows(results):
     for r in results:
-        w, s, g = r["whole"], r["split"], r["gather_all"]
+        experts = "-" if r["expert_dim"] is None else f"Shard({r['expert_dim']})" + ("*" if r["titan"] else "")
         yield [
-            r["model"], str(r["ranks"]), f"{w['num_units']}/{s['num_units']}",
-            f"{w['busiest_over_mean']:.3f}", f"{s['busiest_over_mean']:.3f}", f"{s['load_imbalance']:.3f}",
-            _fmt_bytes(s["bytes_sent_per_rank_max"]), _fmt_bytes(g["bytes_sent_per_rank"]),
-            f"{_fmt_bytes(w['peak_extra_memory_bytes'])}/{_fmt_bytes(s['peak_extra_memory_bytes'])}",
-            f"{w['chunked_critical_path_over_mean']:.2f}/{s['chunked_critical_path_over_mean']:.2f}",
+            r["model"], _layout_name(r), str(r["ranks"]), experts, r["replica_split"] or "-",
+            f"{r['num_jobs']}/{r['num_chunks']}",
+            f"{r['busiest_over_ideal']:.3f}", f"{r['busiest_over_lower_bound']:.3f}",
+            f"{r['critical_path_over_ideal']:.3f}",
+            f"{_fmt_bytes(r['bytes_sent_per_rank_max'])} ({_fmt_bytes(r['bytes_sent_per_rank_mean'])})",
+            _fmt_bytes(r["bytes_received_per_rank_max"]), _fmt_bytes(r["exchange_sent_per_rank_max"]),
+            _fmt_bytes(r["gather_all"]["bytes_received_per_rank"]), _fmt_bytes(r["peak_extra_memory_bytes"]),
         ]
 
 
@@ -224,31 +509,53 @@ def print_table(results):
             print("  ".join("-" * w for w in widths))
 
 
+def _md_table(results) -> list[str]:
+    return (["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+            + ["| " + " | ".join(row) + " |" for row in table_rows(results)])
+
+
 def write_markdown(results, models, args, path):
     doc = __doc__.split("Assumptions (stated again in the Markdown output):", 1)[1]
+    chunk = "ranks of the pattern" if args.chunk_size is None else args.chunk_size
     lines = ["# Parallel Muon scale model", "",
-             f"Generated by `python benchmarks/scale_model.py` (ns_steps={args.ns_steps}, "
-             f"grad bytes={args.grad_bytes}, lookahead={args.lookahead}, "
-             f"chunk size={'n (ranks)' if args.chunk_size is None else args.chunk_size} units).", "",
+             f"Generated by `python benchmarks/scale_model.py` (ns_steps={args.ns_steps}, wire dtype "
+             f"{args.wire_dtype}, NS compute bytes {args.compute_bytes}, state bytes {args.state_bytes}, "
+             f"lookahead={args.lookahead}, chunk size={chunk} "
+             f"jobs, auto threshold {args.replica_flops_per_byte:g} FLOPs/byte).", "",
              "## Assumptions" + doc.rstrip(), "",
-             "Columns: *busiest/mean* = NS FLOPs of the busiest rank over total/n; *busiest/LB* = over "
-             "max(total/n, largest unit), a lower bound for any assignment of these units; "
-             "*chunked crit. path* = sum over chunks (cut by owners.chunk_order, as in the real "
-             "pipeline) of the busiest rank's load, over total/n, if each chunk were a barrier. "
-             "*whole* = one work unit per parameter; *split* = expert ranges as the real pipeline "
-             "cuts them.", "",
+             "Columns: *busiest/ideal* = NS FLOPs of the busiest rank over one copy of the model's FLOPs / "
+             "ranks; *busiest/LB* = over max(FLOPs the plan runs / ranks, its largest unit), a lower bound "
+             "for any owners of these units; *crit. path* = sum over chunks of the busiest rank's load; "
+             "*experts* = the dim FSDP shards on `[E, out, in]` (* = torchtitan's choice); *jobs/chunks* = "
+             "distributed jobs in the world and chunks in the plan; *of which all-gather* = the replica "
+             "all-gather's share of the bytes sent by the rank sending most there; *gather-all* = the "
+             "gather-everything baseline.", "",
              "## Models", ""]
     for m in models.values():
         lines.append(f"- {m.name}: {len(m.muon_params)} Muon params, "
-                     f"{sum(_numel(s) for _, s in m.muon_params) / 1e9:.1f}B Muon elements; "
+                     f"{sum(math.prod(s) for _, s in m.muon_params) / 1e9:.1f}B Muon elements, "
+                     f"{sum(_ns_cost(s, args.ns_steps) for _, s in m.muon_params) / 1e15:.2f} PFLOP of Newton-Schulz; "
                      f"{total_params(m) / 1e9:.2f}B total with embeddings "
                      f"(published {m.published_total_params / 1e9:.2f}B)")
-    lines += ["", "## Results", "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
-    lines += ["", f"## Target: busiest rank <= {TARGET:.2f}x ideal at 64-1024 ranks (expert splitting on)", ""]
-    for r in results:
-        if 64 <= r["ranks"] <= 1024:
-            lines.append(f"- {r['model']} @ {r['ranks']}: {verdict(r)}")
+    fsdp = [r for r in results if r["layout"] == "fsdp"]
+    hsdp = [r for r in results if r["layout"] == "hsdp"]
+    if fsdp:
+        lines += ["", "## FSDP", ""] + _md_table(fsdp)
+    if hsdp:
+        lines += ["", "## HSDP", ""] + _md_table(hsdp)
+    lines += ["", f"## Target: busiest rank and chunked critical path <= {TARGET:.2f}x ideal at "
+              f"{TARGET_RANKS[0]}-{TARGET_RANKS[-1]} ranks (FSDP, torchtitan's expert placement)", ""]
+    lines += [f"- {r['model']} @ {r['ranks']}"
+              + ("" if r["expert_dim"] is None else f", experts Shard({r['expert_dim']})")
+              + f": {verdict(r)}" for r in target_rows(results)]
+    others = [r for r in fsdp if r["ranks"] in TARGET_RANKS and not r["titan"]]
+    if others:
+        lines += ["", "The other expert placement, for comparison:", ""]
+        lines += [f"- {r['model']} @ {r['ranks']}, experts Shard({r['expert_dim']}): {verdict(r)}" for r in others]
+    comparisons = hsdp_comparisons(results)
+    if comparisons:
+        lines += ["", "## HSDP: replicas repeat the work (never) vs split over replicas (always; auto)", ""]
+        lines += [f"- {hsdp_line(k, v)}" for k, v in comparisons]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -266,98 +573,170 @@ def write_plot(results, path) -> bool:
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-    models = sorted({r["model"] for r in results}, key=[r["model"] for r in results].index)
+    fsdp = [r for r in results if r["layout"] == "fsdp"]
+    models = list(dict.fromkeys(r["model"] for r in results))
     colors = dict(zip(models, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    fig, axes = plt.subplots(1, 3, figsize=(18, 6))
+    fig, axes = plt.subplots(2, 2, figsize=(16, 11))
+    ax_bal, ax_bytes, ax_mem, ax_hsdp = axes.flatten()
     for m in models:
-        rows = [r for r in results if r["model"] == m]
-        x = [r["ranks"] for r in rows]
         c = colors[m]
-        has_split = any(r["split"]["split_used"] for r in rows)
-        axes[0].plot(x, [r["whole"]["busiest_over_mean"] for r in rows], "--o", color=c, ms=4)
-        axes[2].plot(x, [r["whole"]["peak_extra_memory_bytes"] / MiB for r in rows], "--o", color=c, ms=4)
-        if has_split:  # dense models have nothing to split: the lines would coincide
-            axes[0].plot(x, [r["split"]["busiest_over_mean"] for r in rows], "-s", color=c, ms=4)
-            axes[2].plot(x, [r["split"]["peak_extra_memory_bytes"] / MiB for r in rows], "-s", color=c, ms=4)
-        axes[1].plot(x, [r["split"]["bytes_sent_per_rank_max"] / MiB for r in rows], "-s", color=c, ms=4)
-        axes[1].plot(x, [r["gather_all"]["bytes_sent_per_rank"] / MiB for r in rows], ":", color=c, lw=2)
-    axes[0].axhline(TARGET, color="k", lw=0.8)
-    axes[0].text(min(r["ranks"] for r in results), TARGET * 1.02, f"target {TARGET:.2f}x", fontsize=9)
-    axes[0].set(title="Newton-Schulz FLOPs: busiest rank / mean", ylabel="busiest / (total / n)", yscale="log")
-    axes[0].yaxis.set_major_locator(FixedLocator([1, 1.1, 1.25, 1.5, 2, 3, 4, 6, 8]))
-    axes[0].yaxis.set_minor_locator(NullLocator())
-    axes[0].yaxis.set_major_formatter(ScalarFormatter())
-    axes[1].set(title="Bytes sent (= received) per rank per step, bf16", ylabel="MiB", yscale="log")
-    axes[2].set(title="Peak extra memory per rank (chunks in flight + NS workspace)", ylabel="MiB", yscale="log")
+        main = [r for r in fsdp if r["model"] == m and r["expert_dim"] in (None, 1)]
+        whole = [r for r in fsdp if r["model"] == m and r["expert_dim"] == 0]
+        if main:
+            x = [r["ranks"] for r in main]
+            ax_bal.plot(x, [r["busiest_over_ideal"] for r in main], "-s", color=c, ms=4)
+            ax_bal.plot(x, [r["critical_path_over_ideal"] for r in main], "--", color=c, lw=1)
+            ax_bytes.plot(x, [r["bytes_sent_per_rank_max"] / MiB for r in main], "-s", color=c, ms=4)
+            ax_bytes.plot(x, [r["gather_all"]["bytes_received_per_rank"] / MiB for r in main], ":", color=c, lw=2)
+            ax_mem.plot(x, [r["peak_extra_memory_bytes"] / MiB for r in main], "-s", color=c, ms=4)
+        if whole:
+            x = [r["ranks"] for r in whole]
+            ax_bal.plot(x, [r["busiest_over_ideal"] for r in whole], ":o", color=c, ms=3)
+            ax_mem.plot(x, [r["peak_extra_memory_bytes"] / MiB for r in whole], ":o", color=c, ms=3)
+    ax_bal.axhline(TARGET, color="k", lw=0.8)
+    ax_bal.set(title="FSDP: Newton-Schulz FLOPs of the busiest rank / ideal", ylabel="busiest / (total / n)",
+               yscale="log")
+    ax_bal.yaxis.set_major_locator(FixedLocator([1, 1.1, 1.25, 1.5, 2, 3, 4, 6, 8, 16, 32]))
+    ax_bal.yaxis.set_minor_locator(NullLocator())
+    ax_bal.yaxis.set_major_formatter(ScalarFormatter())
+    ax_bytes.set(title="FSDP: bytes sent per rank per step (busiest; = received)", ylabel="MiB", yscale="log")
+    ax_mem.set(title="FSDP: peak extra memory per rank", ylabel="MiB", yscale="log")
     gray = "0.35"
-    style = {
-        0: [("whole params", "--o"), ("experts split", "-s")],
-        1: [("parallel Muon, busiest rank", "-s"), ("gather everything", ":")],
-        2: [("whole params", "--o"), ("experts split", "-s")],
+    legends = {
+        ax_bal: [("busiest, experts Shard(1)/dense", "-", "s"), ("chunked critical path", "--", None),
+                 ("busiest, experts Shard(0)", ":", "o"), (f"target {TARGET:.2f}x", "-", None)],
+        ax_bytes: [("parallel Muon", "-", "s"), ("gather everything", ":", None)],
+        ax_mem: [("experts Shard(1)/dense", "-", "s"), ("experts Shard(0)", ":", "o")],
     }
-    for i, ax in enumerate(axes):
+    xs = sorted({r["ranks"] for r in fsdp})
+    for ax, items in legends.items():
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["ranks"] for r in results}))
+        if xs:
+            ax.set_xticks(xs)
         ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.set_xlabel("ranks in the shard group")
+        ax.set_xlabel("ranks (1-D mesh)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(handles=[Line2D([], [], color=gray, ls=ls[:-1] if len(ls) > 1 else ls,
-                                  marker=ls[-1] if len(ls) > 1 else None, label=lab)
-                           for lab, ls in style[i]], fontsize=8, loc="best")
+        ax.legend(handles=[Line2D([], [], color="k" if lab.startswith("target") else gray, ls=ls, marker=mk,
+                                  label=lab) for lab, ls, mk in items], fontsize=8, loc="best")
+
+    comparisons = hsdp_comparisons(results)
+    width = 0.27
+    for k, (key, rows) in enumerate(comparisons):
+        for s, split in enumerate(REPLICA_SPLITS):
+            ax_hsdp.bar(k + (s - 1) * width, rows[split]["busiest_over_ideal"], width,
+                        color=colors[key[0]], alpha=(0.35, 0.65, 1.0)[s], edgecolor="k", lw=0.5)
+    ax_hsdp.axhline(TARGET, color="k", lw=0.8)
+    ax_hsdp.set_xticks(range(len(comparisons)))
+    ax_hsdp.set_xticklabels([f"{m}\n{R}x{S}" + ("" if d is None else f" E{d}") for m, R, S, d in
+                             (k for k, _ in comparisons)], fontsize=7, rotation=60, ha="right")
+    ax_hsdp.set_ylim(bottom=0.9)
+    ax_hsdp.set(title="HSDP: busiest rank / ideal of the whole world (bars: never, auto, always)",
+                ylabel="busiest / (total / world)", yscale="log")
+    ax_hsdp.grid(True, axis="y", which="both", alpha=0.3)
     fig.legend(handles=[Line2D([], [], color=colors[m], lw=3, label=m) for m in models],
                loc="upper center", ncol=len(models), fontsize=10, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=110)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
 
 
+# ----------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------
+
+
+def _mesh(text: str) -> tuple[int, int]:
+    try:
+        r, s = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hsdp takes RxS meshes such as 8x128, got {text!r}") from None
+    if r < 2 or s < 1:
+        raise argparse.ArgumentTypeError(f"--hsdp {text}: need at least 2 replicas and 1 shard")
+    return r, s
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=DEFAULT_RANKS, help="shard group sizes")
+    p.add_argument("--ranks", type=int, nargs="*", default=DEFAULT_RANKS, help="FSDP world sizes (1-D mesh)")
+    p.add_argument("--hsdp", type=_mesh, nargs="*", default=[_mesh(m) for m in DEFAULT_HSDP],
+                   help="HSDP meshes RxS (replicas x shards)")
+    p.add_argument("--hsdp-models", nargs="*", default=DEFAULT_HSDP_MODELS, help="models modelled under HSDP")
+    p.add_argument("--rank-order", choices=("replica-major", "shard-major"), default="replica-major",
+                   help="HSDP global rank numbering: replica-major (torchtitan: a replica's shards are "
+                        "consecutive ranks) or shard-major (a shard position's replicas are)")
+    p.add_argument("--experts", type=int, nargs="+", choices=(0, 1), default=[1, 0],
+                   help="tensor dims FSDP shards on [E, out, in] expert weights (each modelled)")
     p.add_argument("--chunk-size", type=int, default=None,
-                   help="work units per pipeline chunk (default: the number of ranks)")
+                   help="jobs per pipeline chunk (default: the optimizer's, the pattern's number of ranks)")
     p.add_argument("--lookahead", type=int, default=1, help="chunks gathered ahead of the one computing")
     p.add_argument("--ns-steps", type=int, default=5)
-    p.add_argument("--grad-bytes", type=int, default=2, help="bytes per gathered/scattered element (bf16: 2)")
-    p.add_argument("--ns-bytes", type=int, default=2, help="bytes per element of NS workspace (bf16: 2)")
+    p.add_argument("--wire-dtype", choices=sorted(DTYPES), default="bf16", help="dtype of gathered/scattered pieces")
+    p.add_argument("--compute-bytes", type=int, default=2, help="bytes per element of NS workspace (CUDA: bf16)")
+    p.add_argument("--state-bytes", type=int, default=4, help="bytes per element of the momentum buffer")
+    p.add_argument("--replica-flops-per-byte", type=float, default=CUDA_FLOPS_PER_BYTE,
+                   help='threshold of replica_split="auto" (default: the optimizer\'s CUDA default)')
     p.add_argument("--models", nargs="+", default=None, help="subset of model names")
     p.add_argument("--out", default="bench_results/", help="folder for JSON, Markdown and PNG")
     args = p.parse_args(argv)
     if any(n < 1 for n in args.ranks):
         p.error("--ranks must be positive integers")
     if args.chunk_size is not None and args.chunk_size < 1:
-        p.error("--chunk-size must be a positive number of work units")
+        p.error("--chunk-size must be a positive number of jobs")
     if args.lookahead < 0:
         p.error("--lookahead must be >= 0")
+    if args.ns_steps < 1:
+        p.error("--ns-steps must be >= 1")
+    if args.compute_bytes < 1 or args.state_bytes < 1:
+        p.error("--compute-bytes and --state-bytes must be positive")
+    if not args.replica_flops_per_byte >= 0:
+        p.error("--replica-flops-per-byte must be >= 0")
 
     models = all_models()
-    if args.models:
-        unknown = [m for m in args.models if m not in models]
+    for opt, names in (("--models", args.models or []), ("--hsdp-models", args.hsdp_models)):
+        unknown = [m for m in names if m not in models]
         if unknown:
-            p.error(f"unknown model(s) {unknown}; choose from {list(models)}")
+            p.error(f"{opt}: unknown model(s) {unknown}; choose from {list(models)}")
+    if args.models:
         models = {m: models[m] for m in args.models}
 
     t0 = time.perf_counter()
-    results = [evaluate(m, n, args) for m in models.values() for n in args.ranks]
+    results = []
+    for m in models.values():
+        for n in args.ranks:
+            results += [evaluate(m, lay, None, args) for lay in layouts_to_model(m, 1, n, args.experts)]
+    for m in models.values():
+        if m.name not in args.hsdp_models:
+            continue
+        for r, s in args.hsdp:
+            for lay in layouts_to_model(m, r, s, args.experts, args.rank_order == "shard-major"):
+                results += [evaluate(m, lay, split, args) for split in REPLICA_SPLITS]
     elapsed = time.perf_counter() - t0
 
     print_table(results)
-    print()
-    print(f"Target: busiest rank <= {TARGET:.2f}x ideal at 64-1024 ranks, expert splitting on:")
-    for r in results:
-        if 64 <= r["ranks"] <= 1024:
-            print(f"  {r['model']} @ {r['ranks']}: {verdict(r)}")
+    print("\nBytes per rank and step (wire dtype, padded pieces): sent = received = T - O + (S - 1) O + (R - 1) X;\n"
+          "T = pieces of the jobs owned in the rank's shard group, O = of the jobs it owns, X = the longest\n"
+          "replica all-gather contribution in its replica group (split units only).  * = torchtitan's expert dim.\n")
+    print(f"Target: busiest rank and chunked critical path <= {TARGET:.2f}x ideal at "
+          f"{TARGET_RANKS[0]}-{TARGET_RANKS[-1]} ranks (FSDP, torchtitan's expert placement):")
+    for r in target_rows(results):
+        experts = "" if r["expert_dim"] is None else f", experts Shard({r['expert_dim']})"
+        print(f"  {r['model']} @ {r['ranks']}{experts}: {verdict(r)}")
+    comparisons = hsdp_comparisons(results)
+    if comparisons:
+        print("\nHSDP, busiest rank over the whole world's ideal, replicas repeat the work (never) -> split (always):")
+        for k, v in comparisons:
+            print(f"  {hsdp_line(k, v)}")
 
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "scale_model.json")
     md_path = os.path.join(args.out, "scale_model.md")
     png_path = os.path.join(args.out, "scale_model.png")
     with open(json_path, "w") as f:
-        json.dump({"args": vars(args), "target": TARGET, "results": results}, f, indent=1)
+        json.dump({"args": {k: v for k, v in vars(args).items()}, "target": TARGET, "results": results}, f, indent=1)
     write_markdown(results, models, args, md_path)
     wrote = [json_path, md_path] + ([png_path] if write_plot(results, png_path) else [])
-    print(f"\nmodelled in {elapsed:.1f}s; wrote {', '.join(wrote)}")
+    print(f"\nmodelled {len(results)} plans in {elapsed:.1f}s; wrote {', '.join(wrote)}")
 
 
 if __name__ == "__main__":
