@@ -120,7 +120,7 @@ def test_skip_nonfinite_does_not_skip_large_finite_fp16_gradients():
 # -------------------------------------------------------------- fp32 params, bf16 gradients
 
 def test_muon_group_takes_bf16_grads_of_fp32_params_like_torch_muon():
-    """Fails today with "expected dtype float for `end`" (lerp_ of an fp32 buffer with a bf16 gradient).
+    """Failed before the fix with "expected dtype float for `end`" (lerp_ of an fp32 buffer with a bf16 gradient).
 
     Two behaviours are right: torch.optim.Muon's (the momentum buffer in the gradient's dtype,
     bf16) or upcasting the gradient into an fp32 buffer (= torch.optim.Muon fed fp32 copies of
@@ -243,7 +243,7 @@ def _non_ascending_rank(rank, world, mesh_ranks, mode):
 @pytest.mark.parametrize("world,mesh_ranks", [(2, [1, 0]), (4, [3, 1, 2, 0]), (4, [[1, 0], [3, 2]])],
                          ids=["1d-[1,0]", "1d-[3,1,2,0]", "2d-[[1,0],[3,2]]"])
 def test_gather_mode_on_non_ascending_mesh(world, mesh_ranks):
-    """Fails today (~1e-2 off): gather mode assembles matrices with DTensor.full_tensor(), which
+    """Failed before the fix (~1e-2 off): gather mode assembled matrices with DTensor.full_tensor(), which
     is wrong on such meshes. distributed_mode="parallel" is exact on all three (measured 0.0: it
     uses the placement index math); gather mode must be too, or refuse such meshes. (On
     [[0, 2], [1, 3]] gather mode is already right.)"""
