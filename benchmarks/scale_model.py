@@ -54,9 +54,10 @@ Assumptions (stated again in the Markdown output):
   batched call; one call each where a shard group has one rank): X, its next iterate,
   A = X X^T and B, (2 m n + 2 m^2) elements per matrix (m the smaller dim) in the
   compute dtype.  The units a rank holds whole run
-  first, every same-shape group in one batched call (``pipeline.run_local``): the
-  stacked momentum (state dtype) plus the workspace of the largest group, while the
-  first L + 1 chunks' gathers are in flight.  Peak = worst point of the step.
+  first, same-shape units batched as far as a chunk's buffers allow
+  (``pipeline.run_local``): the stacked momentum (state dtype) plus the workspace of
+  the largest batch, while the first L + 1 chunks' gathers are in flight.  Peak =
+  worst point of the step.
 - Gather-everything baseline: every rank all-gathers every matrix of its shard
   group ((S - 1) / S of the model's bytes received per rank) and runs every
   Newton-Schulz itself.
@@ -295,7 +296,9 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
                 received[r] += v * item
                 exchange_sent[r] += (R - 1) * x * item
                 world_bytes["exchange"] += (R - 1) * x * item
-                buffers[r] = (T + 2 * S * O + S * O + T + (R * x if x else 0)) * item
+                # send, gather receive, assembled, scatter send, scatter receive (which the
+                # all-gather sends from, so at least its contribution), all-gather output
+                buffers[r] = (T + 2 * S * O + S * O + max(T, x) + (R * x if x else 0)) * item
                 spaces[r] = max(batches[r].values(), default=0) * compute_bytes
             chunk_buffers.append(buffers)
             chunk_exchange.append(exchanged)
@@ -313,9 +316,12 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
     peak = [0] * world
     n = len(chunk_buffers)
     for r in range(world):
-        # units held whole: stacked momentum + NS workspace of each same-shape batch, first gathers in flight
-        batch = max((cnt * (math.prod(s) * state_bytes + _ns_workspace(s) * compute_bytes)
-                     for s, cnt in local_groups[r].items()), default=0)
+        # units held whole: stacked momentum + NS workspace of a same-shape batch, first gathers in
+        # flight; a batch holds as many units as fit in a chunk's buffers (at least one), as
+        # pipeline.run_local cuts them (StepPlan.local_batch_bytes)
+        unit = {s: math.prod(s) * state_bytes + _ns_workspace(s) * compute_bytes for s in local_groups[r]}
+        cap = max([max((c[r] for c in chunk_buffers), default=0), *unit.values()])
+        batch = max((min(cnt, max(1, cap // unit[s])) * unit[s] for s, cnt in local_groups[r].items()), default=0)
         best = batch + sum(chunk_buffers[c][r] for c in range(min(n, lookahead + 1)))
         for k in range(n):
             live = list(range(max(0, k - 1), min(n, k + lookahead + 1)))

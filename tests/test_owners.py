@@ -397,11 +397,12 @@ def test_chunk_order_rejects_bad_input_by_name(costs, owners, ranks, chunk, matc
 
 
 def _reference_lpt_among(costs, candidates):
+    # ties: the candidate listed first
     loads = {}
     owners = [None] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         best = None
-        for r in sorted(set(candidates[i])):
+        for r in candidates[i]:
             if best is None or loads.get(r, 0) < loads.get(best, 0):
                 best = r
         owners[i] = best
@@ -413,7 +414,7 @@ def test_lpt_among_candidates_matches_the_plain_rule():
     rng = random.Random(7)
     for _ in range(300):
         ranks = list(range(rng.randint(1, 9)))
-        sets = [tuple(rng.sample(ranks, rng.randint(1, len(ranks)))) for _ in range(3)] + [tuple(ranks)]
+        sets = [tuple(rng.sample(ranks, rng.randint(1, len(ranks)))) for _ in range(3)] + [tuple(ranks)]  # any order
         n = rng.randint(0, 30)
         costs = [rng.choice([1, 2, 2.5, 7]) for _ in range(n)]
         candidates = [rng.choice(sets) for _ in range(n)]
@@ -433,3 +434,12 @@ def test_lpt_among_everyone_is_assign_owners():
 def test_lpt_among_rejects_empty_candidates():
     with pytest.raises(ValueError, match=r"candidates\[1\] is empty"):
         assign_owners_among([1, 2], [(0,), ()])
+
+
+def test_ties_follow_the_candidate_order_so_work_spreads_over_replicas():
+    # 4 equal matrices, 8 ranks in 2 replicas of 4 (ranks 0-3 and 4-7). Listed in rank order,
+    # ties fill replica 0 first; listed replica-fastest (0, 4, 1, 5, ...), both replicas get 2.
+    costs = [1.0] * 4
+    assert assign_owners_among(costs, [tuple(range(8))] * 4) == [0, 1, 2, 3]
+    spread = (0, 4, 1, 5, 2, 6, 3, 7)
+    assert assign_owners_among(costs, [spread] * 4) == [0, 4, 1, 5]

@@ -314,20 +314,22 @@ def _chunk_bytes(chunk) -> int:
     assembled matrices, scatter send and receive, and the replica all-gather's output."""
     item = torch.empty((), dtype=chunk.wire_dtype).element_size()
     whole = chunk.segment * chunk.shard_size
-    return item * (chunk.send_numel + 2 * whole + whole + chunk.scatter_recv_numel
+    return item * (chunk.send_numel + 2 * whole + whole + max(chunk.scatter_recv_numel, chunk.exchange_length)
                    + chunk.exchange_length * chunk.replica_size)
 
 
 def _expected_peak(step) -> int:
     """The pipeline docstring's rule on build_plan's chunks: lookahead + 2 chunks (+1 while a
     replica all-gather is in flight), plus the computing chunk's largest batched NS workspace;
-    before chunk 0, the units held whole, each same-shape group stacked (run_local)."""
+    before chunk 0, the units held whole, same-shape ones stacked as far as a chunk's buffers
+    allow, at least one (run_local)."""
     buffers = [_chunk_bytes(c) for c in step.chunks]
     groups: dict = {}
     for job in step.local:
         groups[job.shape] = groups.get(job.shape, 0) + 1
-    local = max((k * (math.prod(s) * STATE_BYTES + _workspace(s) * COMPUTE_BYTES) for s, k in groups.items()),
-                default=0)
+    unit = {s: math.prod(s) * STATE_BYTES + _workspace(s) * COMPUTE_BYTES for s in groups}
+    cap = max([max(buffers, default=0), *unit.values()])
+    local = max((min(k, max(1, cap // unit[s])) * unit[s] for s, k in groups.items()), default=0)
     peak = local + sum(buffers[: LOOKAHEAD + 1])
     for k, chunk in enumerate(step.chunks):
         batched = {i for b in chunk.batches for i in b}

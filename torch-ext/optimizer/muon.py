@@ -652,6 +652,8 @@ class _StepView:
                 name=n, shape=tuple(p.shape), layout=layout, wire_dtype=_wire_dtype(opt, p),
                 device=local_view(p).device, ns_key=ns_key, cost=cost,
                 mesh=p.device_mesh if layout is not None else None,
+                compute_itemsize=(opt.compute_dtype or default_compute_dtype(local_view(p).device)).itemsize,
+                state_itemsize=p.dtype.itemsize,
             ))
         if self.errors:
             return

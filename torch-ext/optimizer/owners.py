@@ -77,13 +77,16 @@ def assign_owners_among(costs: Sequence[float], candidates: Sequence[Sequence[in
     """LPT where item ``i`` may only go to a rank in ``candidates[i]``.
 
     The same rule as :func:`assign_owners` (largest item first, to the least-loaded
-    allowed rank, ties to the lower index and the lower rank), over global rank ids.
-    Parallel Muon uses it across replicas: a matrix may be owned by any rank that
-    holds a copy of its shards, an expert range only by ranks that hold those
-    experts.  One heap per distinct candidate set; a rank's entry in the other
-    heaps goes stale when it takes an item, and is refreshed when it surfaces (loads
-    only grow, so a stale entry is never too high).  O(items x log ranks) for the
-    few candidate sets a model has.
+    allowed rank), over global rank ids; ties go to the lower item index and to the
+    candidate listed first (so the caller decides how ties spread: parallel Muon lists a
+    matrix's holders with replicas varying fastest, so that a world with fewer
+    matrices than ranks spreads them over every replica).  Parallel Muon uses it
+    across replicas: a matrix may be owned by any rank that holds a copy of its
+    shards, an expert range only by ranks that hold those experts.  One heap per
+    distinct candidate list; a rank's entry in the other heaps goes stale when it
+    takes an item, and is refreshed when it surfaces (loads only grow, so a stale
+    entry is never too high).  O(items x log ranks) for the few candidate lists a
+    model has.
     """
     _check_costs(costs)
     if len(candidates) != len(costs):
@@ -97,15 +100,18 @@ def assign_owners_among(costs: Sequence[float], candidates: Sequence[Sequence[in
             raise ValueError(f"candidates[{i}] is empty: every item needs at least one rank that may own it")
         heap = heaps.get(allowed)
         if heap is None:
-            heap = heaps[allowed] = [(loads.get(r, 0), r) for r in sorted(set(allowed))]
+            first = {}
+            for pos, r in enumerate(allowed):
+                first.setdefault(r, pos)
+            heap = heaps[allowed] = [(loads.get(r, 0), pos, r) for r, pos in first.items()]
             heapq.heapify(heap)
-        load, rank = heap[0]
+        load, pos, rank = heap[0]
         while load != loads.get(rank, 0):  # stale: the rank took items through another heap
-            heapq.heapreplace(heap, (loads[rank], rank))
-            load, rank = heap[0]
+            heapq.heapreplace(heap, (loads[rank], pos, rank))
+            load, pos, rank = heap[0]
         owners[i] = rank
         loads[rank] = load + costs[i]
-        heapq.heapreplace(heap, (loads[rank], rank))
+        heapq.heapreplace(heap, (loads[rank], pos, rank))
     return owners
 
 

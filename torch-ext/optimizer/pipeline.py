@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .muon_math import apply_update_
-from .plan import Chunk, Owned, StepPlan, unit_bytes
+from .plan import Chunk, Owned, StepPlan
 from .qk_clip_plan import apply_clip_
 
 
@@ -359,7 +359,7 @@ def run_local(plan: StepPlan, steps: Sequence[ParamStep], stats: PipelineStats) 
     cap = plan.local_batch_bytes
     batches = []
     for jobs in groups.values():  # batched by shape, each batch within the memory bound
-        per = max(1, cap // max(1, unit_bytes(jobs[0].shape)))
+        per = max(1, cap // max(1, jobs[0].bytes))
         batches += [jobs[k: k + per] for k in range(0, len(jobs), per)]
     for jobs in batches:
         with stats.time("orthogonalize"):

@@ -65,6 +65,8 @@ class PlanParam:
     ns_key: object  # same key and same shape: one batched Newton-Schulz call
     cost: Callable[[tuple[int, ...]], float]  # Newton-Schulz FLOPs of a (sub-)shape
     mesh: object = None  # the DeviceMesh (for its groups)
+    compute_itemsize: int = 4  # bytes per element of Newton-Schulz's workspace
+    state_itemsize: int = 4  # bytes per element of the parameter (and its momentum)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class LocalJob:
     param: int
     region: Region
     shape: tuple[int, ...]
+    bytes: int = 0  # its momentum update and Newton-Schulz workspace (local_unit_bytes)
 
 
 @dataclass
@@ -185,28 +188,38 @@ class StepPlan:
     bytes_sent: int = 0
     bytes_received: int = 0
     peak_chunk_bytes: int = 0  # the largest buffer bytes of one chunk on this rank
+    peak_workspace_bytes: int = 0  # the largest Newton-Schulz workspace of one chunk on this rank
+    local_unit_bytes: int = 0  # the largest unit orthogonalised where it is (momentum + workspace)
     gather_all: list[GatherAll] = field(default_factory=list)
 
     def memory_bound(self, lookahead: int) -> int:
-        """Extra bytes a step may hold at once on this rank: ``lookahead + 2`` chunks in the
-        pipeline (gathers ahead, the chunk being computed, the previous chunk's scatter), one
-        more while replica all-gathers are in flight; never more chunks than there are."""
+        """Extra bytes a step may hold at once on this rank: the buffers of ``lookahead + 2``
+        chunks (gathers ahead, the chunk being computed, the previous chunk's scatter; one
+        more while replica all-gathers are in flight; never more chunks than there are) and
+        the Newton-Schulz workspace of the chunk being computed; or one batch of the units
+        orthogonalised where they are, with the first gathers in flight."""
         exchanging = any(c.exchange_length for c in self.chunks)
         in_flight = min(len(self.chunks), lookahead + 2 + int(exchanging))
-        return max(in_flight * self.peak_chunk_bytes, self.local_batch_bytes)
+        pipeline = in_flight * self.peak_chunk_bytes + self.peak_workspace_bytes
+        ahead = min(len(self.chunks), lookahead + 1) * self.peak_chunk_bytes
+        return max(pipeline, ahead + self.local_batch_bytes)
 
     @property
     def local_batch_bytes(self) -> int:
-        """What one batch of local units may hold (they run while the first gathers travel):
-        a chunk's worth, or one unit when a single unit is larger."""
-        largest = max((unit_bytes(j.shape) for j in self.local), default=0)
-        return max(self.peak_chunk_bytes, largest)
+        """What one batch of units orthogonalised where they are may hold: a chunk's
+        buffers, or one unit when a single unit is larger."""
+        return max(self.peak_chunk_bytes, self.local_unit_bytes)
 
 
-def unit_bytes(shape: Sequence[int]) -> int:
-    """Bytes of one unit's orthogonalisation: its momentum update, Newton–Schulz's X, next X and
-    output, and A, B (m x m), at most 4 bytes an element."""
-    return 4 * (4 * math.prod(shape) + 2 * math.prod(shape[:-2]) * min(shape[-2:]) ** 2)
+def ns_workspace(shape: Sequence[int]) -> int:
+    """Elements of Newton–Schulz's live tensors for ``shape``: X, the next X, A = X Xᵀ and B."""
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * (2 * m * n + 2 * m * m)
+
+
+def local_unit_bytes(p: PlanParam, shape: Sequence[int]) -> int:
+    """One unit orthogonalised where it is: its stacked momentum update and the workspace."""
+    return math.prod(shape) * p.state_itemsize + ns_workspace(shape) * p.compute_itemsize
 
 
 # ----------------------------------------------------------------------------
@@ -409,8 +422,10 @@ def build_plan(
     for i in local_ix:
         shape = _local_shape(params[i], rank)
         if math.prod(shape) > 0:
-            plan.local.append(LocalJob(i, (), shape))
+            job = LocalJob(i, (), shape, local_unit_bytes(params[i], shape))
+            plan.local.append(job)
             plan.load += params[i].cost(shape)
+            plan.local_unit_bytes = max(plan.local_unit_bytes, job.bytes)
     for i in gather_ix:
         plan.gather_all.append(_gather_all(params, i, rank, resolve_group))
         plan.load += params[i].cost(params[i].shape)
@@ -424,10 +439,11 @@ def build_plan(
             plan.chunks.append(chunk)
             plan.owned += len(chunk.owned)
             plan.load += sum(params[o.param].cost(o.shape) for o in chunk.owned)
-            sent, received, buffers = _traffic(chunk)
+            sent, received, buffers, workspace = _traffic(chunk, params)
             plan.bytes_sent += sent
             plan.bytes_received += received
             plan.peak_chunk_bytes = max(plan.peak_chunk_bytes, buffers)
+            plan.peak_workspace_bytes = max(plan.peak_workspace_bytes, workspace)
     return plan
 
 
@@ -461,8 +477,9 @@ def _region(leading: slice | None) -> Region:
     return () if leading is None else (leading,)
 
 
-def _traffic(chunk: Chunk) -> tuple[int, int, int]:
-    """Bytes this rank sends and receives for a chunk, and the chunk's buffer bytes here."""
+def _traffic(chunk: Chunk, params: Sequence[PlanParam]) -> tuple[int, int, int, int]:
+    """Bytes this rank sends and receives for a chunk, the chunk's buffer bytes here, and its
+    Newton-Schulz workspace (the largest batched call)."""
     item = torch.empty((), dtype=chunk.wire_dtype).element_size()
     me_in_gather = chunk.send_splits[chunk.member] if chunk.send_splits else 0
     gather_recv = chunk.segment * chunk.shard_size
@@ -475,9 +492,11 @@ def _traffic(chunk: Chunk) -> tuple[int, int, int]:
         sent += chunk.exchange_length * (chunk.replica_size - 1)
         received += chunk.exchange_length * (chunk.replica_size - 1)
         buffers += chunk.exchange_length * chunk.replica_size
-    # Newton–Schulz on the owner: X, the next X and the output (numel each) and A, B (m x m),
-    # at most 4 bytes an element (fp32 compute)
-    return sent * item, received * item, buffers * item + sum(unit_bytes(o.shape) for o in chunk.owned)
+    calls: dict[object, int] = {}  # batched Newton-Schulz calls (a zero-copy unit is its own)
+    for k, o in enumerate(chunk.owned):
+        key = ("batch", o.batch) if o.batch >= 0 else k
+        calls[key] = calls.get(key, 0) + ns_workspace(o.shape) * params[o.param].compute_itemsize
+    return sent * item, received * item, buffers * item, max(calls.values(), default=0)
 
 
 class _RankView:

@@ -144,10 +144,10 @@ class ParamLayout:
         return tuple(coordinate[m] for m in self.replica_dims)
 
     def holders(self, batch: tuple[int, ...]) -> tuple[int, ...]:
-        """Every rank (all shard positions, all replicas) whose leading block is ``batch``'s."""
+        """Every rank (all shard positions, all replicas) whose leading block is ``batch``'s,
+        replicas varying fastest: the first ranks listed are one of each replica."""
         fixed = dict(zip(self.batch_dims, batch))
-        varying = tuple(m for m in range(len(self.grid.shape)) if m not in self.batch_dims)
-        return self.grid.varying(varying, fixed)
+        return self.grid.varying((*self.matrix_dims, *self.replica_dims), fixed)
 
     def batch_coordinates(self) -> list[tuple[int, ...]]:
         return list(itertools.product(*(range(self.grid.shape[m]) for m in self.batch_dims)))
