@@ -20,12 +20,18 @@ gradients, it times ``optimizer.step()`` of
                gathers every matrix: the baseline parallel Muon must beat);
   * torch      ``torch.optim.Muon`` on the same DTensors (DTensor dispatch
                does the communication);
+  * titan      torchtitan's own distributed Muon (``flex_shard.DistMuon``) when
+               torchtitan is installed (it runs on CUDA only; elsewhere the table says
+               why it did not run);
   * adamw      ``torch.optim.AdamW``, the floor.
 
 Each step is bracketed by barriers, so a step's time is the slowest rank's.
 After warm-up the variants are stepped in turn (a round is one step of each),
 so background load hits them alike; ratios are given both of the medians and
 as the median of the round-by-round ratios.
+Beside each time, the variant's largest deviation from the same optimizer run on one
+device on the full tensors (for torchtitan's DistMuon: this project's single-device
+Muon with bf16 Newton–Schulz, DistMuon's dtype).
 Results: a table with median and spread and ratios to parallel Muon, the
 parallel (and gather) step split into stages with the bytes each rank moved,
 written to ``bench_results/step_time_<tag>.{json,md}``.
@@ -65,12 +71,13 @@ sys.path.insert(0, str(_REPO / "torch-ext"))
 from optimizer import Muon, QKClipConfig  # noqa: E402
 from optimizer.newton_schulz import default_compute_dtype, newton_schulz_flops  # noqa: E402
 
-VARIANTS = ("parallel", "repeat", "gather", "torch", "adamw")
+VARIANTS = ("parallel", "repeat", "gather", "torch", "titan", "adamw")
 VARIANT_LABELS = {
     "parallel": "parallel Muon (this project)",
     "repeat": "parallel Muon, replicas repeat the work",
     "gather": "gather-everything Muon (this project)",
     "torch": "torch.optim.Muon on DTensors",
+    "titan": "torchtitan DistMuon (flex_shard)",
     "adamw": "torch.optim.AdamW (floor)",
 }
 STAGES = ("gather", "orthogonalize", "scatter", "exchange", "update", "qk_clip")
@@ -235,6 +242,13 @@ def make_optimizer(variant: str, named: list[tuple[str, torch.nn.Parameter]], he
     if variant == "torch":
         return torch.optim.Muon(params, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
                                 adjust_lr_fn="match_rms_adamw")
+    if variant == "titan":
+        try:
+            from optimizer.integrations.torchtitan import build_torchtitan_dist_muon
+        except ImportError as e:
+            raise RuntimeError(f"torchtitan is not installed ({e})") from None
+        return build_torchtitan_dist_muon(named, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
+                                          adjust_lr="match_rms_adamw")
     if variant == "adamw":
         return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
     raise ValueError(f"unknown variant {variant!r}; use some of {VARIANTS}")
@@ -286,6 +300,8 @@ class VariantRun:
     def __init__(self, variant, specs, mesh, mesh_names, args, device):
         self.variant, self.device = variant, device
         named = build_params(specs, mesh, mesh_names, args.layout, device, args.seed)
+        self.named = named
+        self.steps_taken = 0
         qk = variant in ("parallel", "repeat", "gather") and not args.no_qk_clip
         self.opt = make_optimizer(variant, named, args.head_dim, qk)
         self.kwargs = {"qk_logits": qk_logits_for(specs, args.head_dim)} if qk else {}
@@ -300,6 +316,7 @@ class VariantRun:
             self.opt.step(**self.kwargs)
             _sync(self.device)
             elapsed = time.perf_counter() - t0
+        self.steps_taken += 1
         if not record:
             return
         self.times.append(elapsed)
@@ -308,6 +325,35 @@ class VariantRun:
             self.stats.append(dict(seconds=dict(st.seconds), bytes_sent=st.bytes_sent,
                                    bytes_received=st.bytes_received, all_to_alls=st.all_to_alls,
                                    all_gathers=st.all_gathers, chunks=st.chunks))
+
+
+def single_device_deviation(run_: "VariantRun", specs, args, device) -> float:
+    """Largest |parameter - the same optimizer's on one device| after the same steps (rank 0 calls it).
+
+    The reference runs on the full tensors built from the same seed: this project's Muon for
+    parallel/repeat/gather (and, in bf16, for DistMuon), torch.optim.Muon and AdamW for theirs.
+    """
+    g = torch.Generator().manual_seed(args.seed)
+    full, grads = {}, {}
+    for s in specs:  # the order build_params draws them in
+        full[s.name] = torch.randn(s.shape, generator=g).to(device)
+        grads[s.name] = torch.randn(s.shape, generator=g).to(device)
+    named = [(s.name, torch.nn.Parameter(full[s.name].clone())) for s in specs]
+    for n, p in named:
+        p.grad = grads[n]
+    v = run_.variant
+    if v == "titan":
+        params = [p for _, p in named]
+        ref = Muon([{"params": params, "use_muon": True}], lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
+                   compute_dtype=torch.bfloat16)
+    else:
+        ref = make_optimizer("parallel" if v in ("repeat", "gather") else v, named, args.head_dim,
+                             bool(run_.kwargs))
+    with torch_muon_ns_dtype(run_.ns_dtype):
+        for _ in range(run_.steps_taken):
+            ref.step(**run_.kwargs)
+    got = dict(run_.fulls)
+    return max((got[n] - p.detach()).abs().max().item() for n, p in named)
 
 
 def _agree_on_errors(errors: dict[str, str], world_size: int) -> dict[str, str]:
@@ -423,17 +469,18 @@ def render_markdown(result: dict) -> str:
                  f"{result['warmup']} warm-up + {result['steps']} timed steps")
     lines.append(f"- torch.optim.Muon Newton–Schulz dtype: {result['torch_muon_dtype']}; this project's: "
                  f"{result['compute_dtype']}; QK-clip in this project's steps: {result['qk_clip']}")
-    lines += ["", "| optimizer | median s | p25–p75 s | min–max s | vs parallel (medians) | vs parallel (paired) |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| optimizer | median s | p25–p75 s | min–max s | vs parallel (medians) | vs parallel (paired) | "
+              "max deviation from one device |", "|---|---|---|---|---|---|---|"]
     for v in result["variants"]:
         row = result["results"][v]
         if "error" in row:
-            lines.append(f"| {VARIANT_LABELS[v]} | failed: {row['error']} | | | | |")
+            lines.append(f"| {VARIANT_LABELS[v]} | did not run: {row['error']} | | | | | |")
             continue
         t = row["time"]
         ratios = [f"{row[k]:.2f}x" if row.get(k) is not None else "-" for k in ("ratio_to_parallel", "paired_ratio_median")]
+        dev = f"{row['max_deviation']:.1e}" if "max_deviation" in row else "-"
         lines.append(f"| {VARIANT_LABELS[v]} | {t['median_s']:.4f} | {t['p25_s']:.4f}–{t['p75_s']:.4f} | "
-                     f"{t['min_s']:.4f}–{t['max_s']:.4f} | {ratios[0]} | {ratios[1]} |")
+                     f"{t['min_s']:.4f}–{t['max_s']:.4f} | {ratios[0]} | {ratios[1]} | {dev} |")
     split = result["results"].get("parallel", {})
     repeat = result["results"].get("repeat", {})
     if "time" in split and "time" in repeat:
@@ -480,6 +527,8 @@ def parse_args(argv=None):
                    help="Newton–Schulz dtype of torch.optim.Muon; auto = this project's default for the device "
                         "(fp32 on CPU, bf16 on CUDA); bf16 = torch as shipped")
     p.add_argument("--no-qk-clip", action="store_true", help="leave QK-clip out of this project's steps")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip comparing every variant with the same optimizer on one device")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(_REPO / "bench_results"), help="directory for the JSON and Markdown")
     p.add_argument("--tag", default=None, help="file name suffix (default: ws<N>_<mesh>_<layout>)")
@@ -518,6 +567,8 @@ def run(args, rank: int, world_size: int, device: torch.device) -> dict | None:
         variants.remove("repeat")  # no replicas: the same as parallel
 
     runs, failed = measure(variants, specs, mesh, mesh_names, args, device, world_size)
+    for run_ in runs.values():  # collective: every rank takes part, rank 0 keeps the result
+        run_.fulls = [(n, p.full_tensor().detach()) for n, p in run_.named]
     results: dict[str, dict] = {}
     for v in variants:
         if v in failed:
@@ -528,6 +579,8 @@ def run(args, rank: int, world_size: int, device: torch.device) -> dict | None:
         # Barriers make every rank's step time the slowest rank's; take the max to be safe.
         times = [max(g["times"][i] for g in gathered) for i in range(args.steps)]
         results[v] = {"time": summarize(times), "times_s": times}
+        if rank == 0 and not args.no_check:
+            results[v]["max_deviation"] = single_device_deviation(runs[v], specs, args, device)
         if gathered[0]["stats"]:
             results[v]["stages_per_rank"] = [stage_summary(g["stats"], g["times"]) for g in gathered]
     if rank != 0:

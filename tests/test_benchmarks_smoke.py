@@ -54,9 +54,13 @@ def test_step_time_fsdp_two_ranks(tmp_path):
 
     no_replicas = [v for v in step_time.VARIANTS if v != "repeat"]  # a 1-D FSDP mesh has no replicas
     assert result["variants"] == no_replicas
-    for v in no_replicas:
+    # torchtitan's DistMuon runs on CUDA only: on this CPU its row says why it did not run
+    assert "CUDA" in result["results"]["titan"]["error"] or "not installed" in result["results"]["titan"]["error"]
+    for v in (v for v in no_replicas if v != "titan"):
         row = result["results"][v]
-        assert "error" not in row, row  # all four run on Shard(0) DTensors in torch 2.13
+        assert "error" not in row, row  # the others run on Shard(0) DTensors in torch 2.13
+        # equal to the same optimizer on one device (fp32 on CPU; torch.optim.Muon's own order of ops)
+        assert row["max_deviation"] <= (1e-5 if v == "torch" else 0.0), (v, row["max_deviation"])
         assert row["time"]["n"] == 2 and 0 < row["time"]["min_s"] <= row["time"]["median_s"] <= row["time"]["max_s"]
         assert step_time.VARIANT_LABELS[v] in md
     assert result["results"]["parallel"]["ratio_to_parallel"] == pytest.approx(1.0)
