@@ -16,6 +16,7 @@ every optimizer.
 
 from __future__ import annotations
 
+import atexit
 from typing import Iterable, Sequence
 
 import torch.distributed as dist
@@ -36,6 +37,14 @@ def _created() -> dict[tuple[int, ...], dist.ProcessGroup]:
         CREATION_LOG.clear()
         _CREATED_FOR[0] = dist.group.WORLD
     return _CREATED
+
+
+@atexit.register
+def _release() -> None:
+    # Drop our references before the interpreter finalises: a gloo group whose last
+    # reference dies during finalisation joins its threads too late, and the process
+    # aborts ("terminate called without an active exception").
+    _CREATED.clear()
 
 
 def num_created_groups() -> int:
