@@ -166,7 +166,8 @@ def main(argv=None) -> int:
         "best": best_lrs(results, grid),
         "results": [{k: v for k, v in r.items() if k != "corpus"} for r in results],
         "corpus": results[0]["corpus"],
-        "hardware": report.hardware() | {"jobs": args.jobs},
+        "hardware": {k: v for k, v in report.hardware().items() if k != "threads_per_rank"}
+        | {"jobs": args.jobs, "threads_per_run": 1},
         "wall_s": time.perf_counter() - start,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

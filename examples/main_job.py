@@ -15,6 +15,9 @@ learning-rate schedule:
    the largest deviation of any parameter is reported.
 2. **AdamW** (``torch.optim.AdamW``) for every parameter at ``[compare] adamw_lr``.
 
+The two runs take turns, one step each, so that a busy machine slows both alike
+and their step times can be compared.
+
 Both learning rates are the best of the sweep recorded in
 ``examples/results/lr_sweep.json`` (``examples/lr_sweep.py``).  Rank 0 prints a
 line every ``log_every`` steps, then a table (validation loss at equal steps and
@@ -47,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make `examples` and `optimizer
 
 from examples import report  # noqa: E402
 from examples.config import ConfigError, RunConfig, load_config  # noqa: E402
-from examples.train import DEFAULT_TOLERANCE, check, train  # noqa: E402
+from examples.train import DEFAULT_TOLERANCE, Run, check  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "main.toml")
@@ -59,20 +62,27 @@ def with_lr(cfg: RunConfig, lr: float) -> RunConfig:
 
 
 def compare(cfg: RunConfig, steps: int | None = None, log=print) -> dict[str, dict]:
-    """Train the Muon run, then the AdamW run, on this rank; their summaries by label.
+    """Train the Muon run and the AdamW run on this rank, taking turns step by step
+    (so that both see the same machine load); their summaries by label.
 
     Collective: every rank of the config's world must call it.
     """
-    runs = {}
     qk = f"QK-clip at {cfg.qk_clip.threshold:g}" if cfg.qk_clip.enabled else "QK-clip off"
-    log(f"== {MUON_LABEL}: Muon for matrices + AdamW for the rest, {qk}, lr {cfg.train.lr:g}; "
-        f"the first {cfg.compare.check_steps} steps checked against single-device Muon")
-    runs[MUON_LABEL] = train(cfg, steps=steps, use_qk_clip=cfg.qk_clip.enabled, optimizer="muon",
-                             check_steps=cfg.compare.check_steps, label=MUON_LABEL, log=log)
-    log(f"== {ADAMW_LABEL}: torch.optim.AdamW for every parameter, lr {cfg.compare.adamw_lr:g}")
-    runs[ADAMW_LABEL] = train(with_lr(cfg, cfg.compare.adamw_lr), steps=steps, use_qk_clip=False,
-                              optimizer="adamw", check_steps=0, label=ADAMW_LABEL, log=log)
-    return runs
+    log(f"{MUON_LABEL}: Muon for matrices + AdamW for the rest, {qk}, lr {cfg.train.lr:g}; its first "
+        f"{cfg.compare.check_steps} steps are checked against single-device Muon")
+    log(f"{ADAMW_LABEL}: torch.optim.AdamW for every parameter, lr {cfg.compare.adamw_lr:g}")
+    log("(the two runs take turns, a step each)")
+    runs = [
+        Run(cfg, steps, cfg.qk_clip.enabled, log=log, optimizer="muon", check_steps=cfg.compare.check_steps,
+            label=MUON_LABEL),
+        Run(with_lr(cfg, cfg.compare.adamw_lr), steps, False, log=log, optimizer="adamw", check_steps=0,
+            label=ADAMW_LABEL),
+    ]
+    while not all(r.done for r in runs):
+        for r in runs:
+            if not r.done:
+                r.step()
+    return {r.label: r.summary() for r in runs}
 
 
 def acceptance_problems(runs: dict[str, dict], tolerance: float) -> list[str]:
@@ -172,8 +182,8 @@ def main(argv=None) -> int:
         wall_s = time.perf_counter() - start
         problems = acceptance_problems(runs, args.tolerance)
         if rank == 0:
-            command = " ".join(["torchrun", f"--nproc-per-node {world}"] * launched + ["examples/main_job.py"]
-                               + [a for a in (argv if argv is not None else sys.argv[1:])])
+            launcher = [f"torchrun --nproc-per-node {world}"] if launched else ["python"]
+            command = " ".join(launcher + ["examples/main_job.py", *(sys.argv[1:] if argv is None else argv)])
             paths = write_outputs(runs, cfg, args.out_dir, args.tolerance, command, wall_s)
             print()
             print(report.text_table(report.comparison_rows(runs, args.tolerance)))

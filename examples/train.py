@@ -139,136 +139,174 @@ def train(
 ) -> dict:
     """Run the training loop on this rank; returns the summary (same on every rank).
 
+    The arguments are :class:`Run`'s.  Collective: with a process group, every
+    rank of the config's world must call it.
+    """
+    run = Run(cfg, steps, use_qk_clip, distributed_mode, log, optimizer=optimizer,
+              check_steps=check_steps, label=label)
+    while not run.done:
+        run.step()
+    return run.summary()
+
+
+class Run:
+    """One training run on this rank, advanced a step at a time by :meth:`step`
+    (so that two runs can take turns on a shared machine and see the same load).
+
     ``optimizer``: "muon" (:func:`make_optimizer`) or "adamw" (:func:`make_adamw`,
-    no QK-clip), both at ``cfg.train.lr`` with the config's schedule.
+    no QK-clip), both at ``cfg.train.lr`` with the config's schedule over ``steps``.
     ``check_steps``: how many first steps run the lockstep reference (None: all);
     the deviation is measured after the last checked step.  Validation loss is
-    measured before the first step and every ``cfg.train.eval_every`` steps.
-    Step times cover forward, backward and the optimizer step (the reference and
-    validation are not counted) and are averaged over ranks.
+    measured before the first step, every ``cfg.train.eval_every`` steps and after
+    the last.  Step times cover forward, backward and the optimizer step (not the
+    reference, validation or logging) and are averaged over ranks.
 
-    Collective: with a process group, every rank of the config's world must call it.
+    Collective: every method is, with a process group.
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    steps = cfg.train.steps if steps is None else steps
-    use_qk_clip = cfg.qk_clip.enabled if use_qk_clip is None else use_qk_clip
-    if optimizer == "adamw" and use_qk_clip:
-        raise ValueError("QK-clip is part of Muon; train the AdamW baseline with use_qk_clip=False")
-    check_steps = steps if check_steps is None else min(check_steps, steps)
-    label = label or optimizer
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
 
-    def make(m):
-        # looked up at call time, so that tests can wrap make_optimizer
-        return make_optimizer(m, cfg, use_qk_clip, distributed_mode) if optimizer == "muon" else make_adamw(m, cfg)
+    def __init__(self, cfg: RunConfig, steps: int | None = None, use_qk_clip: bool | None = None,
+                 distributed_mode: str = "parallel", log=print, *, optimizer: str = "muon",
+                 check_steps: int | None = None, label: str | None = None):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        self.cfg = cfg
+        self.steps = cfg.train.steps if steps is None else steps
+        self.use_qk_clip = cfg.qk_clip.enabled if use_qk_clip is None else use_qk_clip
+        if optimizer == "adamw" and self.use_qk_clip:
+            raise ValueError("QK-clip is part of Muon; train the AdamW baseline with use_qk_clip=False")
+        self.check_steps = self.steps if check_steps is None else min(check_steps, self.steps)
+        self.optimizer, self.distributed_mode = optimizer, distributed_mode
+        self.label, self.log = label or optimizer, log
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
 
-    def schedule(opt):
-        t = cfg.train
+        mesh = build_mesh(cfg)
+        self.model = parallelize(build_model(cfg.model, cfg.train.seed), mesh, cfg)
+        self.opt = self._make_optimizer(self.model)
+        self.schedule = self._make_schedule(self.opt)
+        self.dp_rank, self.dp_size = data_parallel_rank_and_size(mesh, cfg)
+        self.heads_group = tp_group(mesh, cfg)
+        self.reference = (LockstepReference(cfg, self._make_optimizer, self._make_schedule, self.rank)
+                          if self.check_steps > 0 else None)
+        self.deviations: dict[str, float] = {}
+        self.val_tokens = None
+        if cfg.train.eval_every:
+            self.val_tokens = data.val_batch(data.load_stdlib_corpus(), cfg.data.val_sequences, cfg.train.seq_len)
+
+        self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+        self.losses, self.step_times, self.clipped, self.max_logits, self.evals = [], [], [], [], []
+        self.elapsed = 0.0
+        self._log_from = 0  # first step of the current log window
+        if self.val_tokens is not None:
+            self._evaluate()
+
+    def _make_optimizer(self, model):
+        # module-level names looked up at call time, so that tests can wrap make_optimizer
+        if self.optimizer == "muon":
+            return make_optimizer(model, self.cfg, self.use_qk_clip, self.distributed_mode)
+        return make_adamw(model, self.cfg)
+
+    def _make_schedule(self, opt):
+        t = self.cfg.train
         return torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: lr_multiplier(s, steps, t.warmup_steps, t.schedule))
+            opt, lambda s: lr_multiplier(s, self.steps, t.warmup_steps, t.schedule))
 
-    mesh = build_mesh(cfg)
-    model = parallelize(build_model(cfg.model, cfg.train.seed), mesh, cfg)
-    opt = make(model)
-    sched = schedule(opt)
-    dp_rank, dp_size = data_parallel_rank_and_size(mesh, cfg)
-    heads_group = tp_group(mesh, cfg)
-    val_tokens = None
-    if cfg.train.eval_every:
-        val_tokens = data.val_batch(data.load_stdlib_corpus(), cfg.data.val_sequences, cfg.train.seq_len)
+    @property
+    def done(self) -> bool:
+        return len(self.losses) >= self.steps
 
-    reference = LockstepReference(cfg, make, schedule, rank) if check_steps > 0 else None
-    deviations: dict[str, float] = {}
-
-    losses, step_times, clipped, max_logits, evals = [], [], [], [], []
-    elapsed = 0.0
-
-    def run_eval(step):
-        evals.append({"step": step, "elapsed_s": elapsed,
-                      "val_loss": evaluate(model, val_tokens, dp_rank, dp_size, world)})
-
-    if val_tokens is not None:
-        run_eval(0)
-    per_rank = cfg.train.batch_size // dp_size
-    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
-    window_start = 0
-    for step in range(steps):
-        batch = global_batch(cfg, step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    def step(self) -> None:
+        """One training step, then validation and a log line when due."""
+        step = len(self.losses)
+        per_rank = self.cfg.train.batch_size // self.dp_size
+        batch = global_batch(self.cfg, step)[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
         start = time.perf_counter()
-        loss = model(batch[:, :-1], batch[:, 1:])
+        loss = self.model(batch[:, :-1], batch[:, 1:])
         loss.backward()
-        qk_logits = collect_qk_logits(model, heads_group) if use_qk_clip else None
+        qk_logits = collect_qk_logits(self.model, self.heads_group) if self.use_qk_clip else None
         fwd_bwd = time.perf_counter() - start
 
-        full_grads = reference.gather_grads(model) if reference is not None else None
+        full_grads = self.reference.gather_grads(self.model) if self.reference is not None else None
         start = time.perf_counter()
-        _step(opt, qk_logits)
-        opt.zero_grad(set_to_none=True)
-        sched.step()
+        _step(self.opt, qk_logits)
+        self.opt.zero_grad(set_to_none=True)
+        self.schedule.step()
         step_time = fwd_bwd + time.perf_counter() - start
-        if reference is not None:
-            reference.step(full_grads, qk_logits)
-            if step + 1 == check_steps:
-                deviations = parameter_deviations(model, reference.params, rank, world)
-                reference = None  # the rest of the run is not checked
+        if self.reference is not None:
+            self.reference.step(full_grads, qk_logits)
+            if step + 1 == self.check_steps:
+                self.deviations = parameter_deviations(self.model, self.reference.params, self.rank, self.world)
+                self.reference = None  # the rest of the run is not checked
 
         # The global loss: mean over data-parallel slices (tp/ep peers hold equal
         # copies); the step time: mean over ranks.
         stats = torch.tensor([loss.item(), step_time], dtype=torch.float64)
-        if world > 1:
+        if self.world > 1:
             dist.all_reduce(stats)
-            stats /= world
-        losses.append(stats[0].item())
-        step_times.append(stats[1].item())
-        elapsed += step_times[-1]
-        report = getattr(opt, "qk_clip_report", None)  # None when QK-clip is off
-        clipped.append(report.total_clipped if report is not None else 0)
+            stats /= self.world
+        self.losses.append(stats[0].item())
+        self.step_times.append(stats[1].item())
+        self.elapsed += self.step_times[-1]
+        report = getattr(self.opt, "qk_clip_report", None)  # None when QK-clip is off
+        self.clipped.append(report.total_clipped if report is not None else 0)
         if report is not None:
-            max_logits.append(report.overall_max_logit)
+            self.max_logits.append(report.overall_max_logit)
         else:  # recorded for comparison: how large logits grow without QK-clip
-            max_logits.append(max(v.max().item() for v in collect_qk_logits(model, heads_group).values()))
-        if val_tokens is not None and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == steps):
-            run_eval(step + 1)
-        if rank == 0 and ((step + 1) % cfg.train.log_every == 0 or step + 1 == steps):
-            window = step_times[window_start:]
-            mean_time = sum(window) / len(window)
-            val = f"  val {evals[-1]['val_loss']:.4f}" if evals and evals[-1]["step"] == step + 1 else ""
-            qk = (f"  heads clipped {sum(clipped[window_start:]):3d}" if report is not None else "")
-            qk += f"  max QK logit {max_logits[-1]:5.1f}"
-            log(f"{label:>6} step {step + 1:4d}/{steps}  loss {losses[-1]:.4f}{val}  "
-                f"{tokens_per_step / mean_time:8.0f} tok/s  {mean_time * 1e3:6.1f} ms/step{qk}")
-            window_start = step + 1
+            logits = collect_qk_logits(self.model, self.heads_group)
+            self.max_logits.append(max(v.max().item() for v in logits.values()))
 
-    worst = max(deviations, key=deviations.get) if deviations else None
-    summary = {
-        "config": cfg.name,
-        "label": label,
-        "optimizer": optimizer,
-        "lr": cfg.train.lr,
-        "world_size": world,
-        "mesh": dict(zip(cfg.mesh.dim_names, cfg.mesh.shape)),
-        "steps": steps,
-        "tokens_per_step": tokens_per_step,
-        "qk_clip": use_qk_clip,
-        "distributed_mode": distributed_mode,
-        "losses": losses,
-        "first_loss": losses[0] if losses else math.nan,
-        "last_loss": losses[-1] if losses else math.nan,
-        "evals": evals,
-        "heads_clipped": clipped,
-        "max_qk_logit": max_logits,
-        "step_times_s": step_times,
-        "mean_step_time_s": sum(step_times) / max(len(step_times), 1),
-        "check_steps": check_steps,
-        "max_param_deviation": deviations[worst] if worst is not None else None,
-        "worst_param": worst,
-        "param_deviation": deviations,
-    }
-    if cfg.data.source == "stdlib":
-        summary["corpus"] = data.load_stdlib_corpus().fingerprint
-    return summary
+        n = step + 1
+        if self.val_tokens is not None and (n % self.cfg.train.eval_every == 0 or n == self.steps):
+            self._evaluate()
+        if n % self.cfg.train.log_every == 0 or n == self.steps:
+            self._log_line()
+
+    def _evaluate(self) -> None:
+        self.evals.append({"step": len(self.losses), "elapsed_s": self.elapsed,
+                           "val_loss": evaluate(self.model, self.val_tokens, self.dp_rank, self.dp_size, self.world)})
+
+    def _log_line(self) -> None:
+        n, window = len(self.losses), self.step_times[self._log_from:]
+        mean_time = sum(window) / len(window)
+        val = f"  val {self.evals[-1]['val_loss']:.4f}" if self.evals and self.evals[-1]["step"] == n else ""
+        qk = f"  heads clipped {sum(self.clipped[self._log_from:]):3d}" if self.use_qk_clip else ""
+        qk += f"  max QK logit {self.max_logits[-1]:5.1f}"
+        if self.rank == 0:
+            self.log(f"{self.label:>6} step {n:4d}/{self.steps}  loss {self.losses[-1]:.4f}{val}  "
+                     f"{self.tokens_per_step / mean_time:8.0f} tok/s  {mean_time * 1e3:6.1f} ms/step{qk}")
+        self._log_from = n
+
+    def summary(self) -> dict:
+        """Everything measured so far (the same on every rank)."""
+        worst = max(self.deviations, key=self.deviations.get) if self.deviations else None
+        losses, cfg = self.losses, self.cfg
+        summary = {
+            "config": cfg.name,
+            "label": self.label,
+            "optimizer": self.optimizer,
+            "lr": cfg.train.lr,
+            "world_size": self.world,
+            "mesh": dict(zip(cfg.mesh.dim_names, cfg.mesh.shape)),
+            "steps": self.steps,
+            "tokens_per_step": self.tokens_per_step,
+            "qk_clip": self.use_qk_clip,
+            "distributed_mode": self.distributed_mode,
+            "losses": losses,
+            "first_loss": losses[0] if losses else math.nan,
+            "last_loss": losses[-1] if losses else math.nan,
+            "evals": self.evals,
+            "heads_clipped": self.clipped,
+            "max_qk_logit": self.max_logits,
+            "step_times_s": self.step_times,
+            "mean_step_time_s": sum(self.step_times) / max(len(self.step_times), 1),
+            "check_steps": self.check_steps,
+            "max_param_deviation": self.deviations[worst] if worst is not None else None,
+            "worst_param": worst,
+            "param_deviation": self.deviations,
+        }
+        if cfg.data.source == "stdlib":
+            summary["corpus"] = data.load_stdlib_corpus().fingerprint
+        return summary
 
 
 class LockstepReference:
