@@ -111,9 +111,11 @@ def load_stdlib_corpus(root: str | None = None) -> TextCorpus:
         for name in names:
             with open(os.path.join(root, name), "rb") as f:
                 parts.append(f.read())
-        data = FILE_SEPARATOR.join(parts)
-        # frombuffer shares the (read-only) bytes; the clone owns its memory.
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone() if data else torch.empty(0, dtype=torch.uint8)
+        joined = bytearray(FILE_SEPARATOR.join(parts))
+        # frombuffer shares the bytearray's memory; the clone owns its own.
+        if not joined:  # frombuffer refuses an empty buffer
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(joined, dtype=torch.uint8).clone()
 
     return TextCorpus(train=read(train_files), val=read(val_files), train_files=train_files,
                       val_files=val_files, root=root)

@@ -9,8 +9,8 @@ predict the next byte of the CPython standard library's source and docs
 ``configs/main.toml``), twice, with the same model init, batches, steps and
 learning-rate schedule:
 
-1. **Muon** for the hidden matrices, AdamW for the rest, QK-clip on, at
-   ``[train] lr``.  Its first ``[compare] check_steps`` steps run in lockstep with
+1. **Muon** for the hidden matrices, AdamW for the rest, QK-clip per
+   ``[qk_clip]`` (on in ``configs/main.toml``), at ``[train] lr``.  Its first ``[compare] check_steps`` steps run in lockstep with
    single-device Muon on rank 0 fed the same full gradients and ``qk_logits``;
    the largest deviation of any parameter is reported.
 2. **AdamW** (``torch.optim.AdamW``) for every parameter at ``[compare] adamw_lr``.

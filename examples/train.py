@@ -15,8 +15,8 @@ distributed model's full gradients and the same ``qk_logits`` and steps with
 them, so the parameter deviation isolates the distributed optimizer (sharding,
 gathering, orthogonalizing, scattering, QK-clip on shards) from the parallel
 forward's floating-point noise.  This script checks every step;
-``examples/main_job.py`` calls :func:`train` with ``check_steps`` to check only
-the first few.
+``examples/main_job.py`` runs two :class:`Run` objects (Muon and AdamW) by turns
+and checks only the Muon run's first ``check_steps``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 if __package__ in (None, ""):  # run as a script: make `examples` and `optimizer` importable

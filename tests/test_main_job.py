@@ -381,6 +381,10 @@ def test_comparison_points_and_table():
     assert rows["steps to B's final val loss (3.500)"] == ("3", "4")
     assert rows["QK-clip: heads clipped (steps with a clip)"] == ("3 (2)", "off")
     assert rows["tokens/s"] == ("10", "5")
+    assert rows["max QK logit: first step / highest / last step"] == ("5.0 / 8.0 / 8.0", "5.0 / 9.0 / 9.0")
+    assert rows["largest deviation from single-device Muon (tolerance 1e-05)"] == ("0.0e+00 (2 steps)", "not run")
+    table = report.markdown_table(report.comparison_rows({"A": fast, "B": slow}, 1e-5))
+    assert all(line.count("|") == 4 for line in table.splitlines())  # no cell breaks the Markdown table
 
 
 def test_moving_average_by_hand():
