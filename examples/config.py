@@ -8,9 +8,20 @@ Sections (all keys optional unless noted; unknown keys are errors)::
 
     [mesh]       dp_replicate, dp_shard, tp, ep      degrees, default 1
     [model]      fields of examples.model.ModelArgs
-    [train]      steps, lr, weight_decay, momentum, seed, batch_size, seq_len
+    [train]      steps, lr, weight_decay, momentum, seed, batch_size, seq_len,
+                 warmup_steps, schedule ("constant" | "cosine"), log_every, eval_every
+    [data]       source ("synthetic" | "stdlib"), val_sequences
     [qk_clip]    enabled, threshold, head_dim (defaults to model.head_dim)
+    [compare]    adamw_lr, check_steps       (read by examples/main_job.py only)
     [placements] "name-glob" = ["Shard(1)", "Replicate()", "_StridedShard(0, sf=2)", ...]
+
+``[data] source = "stdlib"`` trains on the standard-library text corpus
+(``examples/data.py``; byte tokens, so ``model.vocab_size`` must be 256) and
+allows ``eval_every`` (validation loss every that many steps, on
+``val_sequences`` fixed windows); ``"synthetic"`` is the permutation task.
+``[compare]`` is the main job's: the learning rate of the AdamW-only run (the
+Muon run uses ``train.lr``) and how many of the Muon run's first steps are
+checked against single-device Muon.
 
 Mesh dims with degree > 1 form the device mesh, in the order
 ``dp_replicate, dp_shard, ep, tp``.  Without ``[placements]`` the model is
@@ -65,6 +76,10 @@ class MeshConfig:
         return tuple(getattr(self, d) for d in self.dim_names)
 
 
+SCHEDULES = ("constant", "cosine")
+DATA_SOURCES = ("synthetic", "stdlib")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 24
@@ -74,6 +89,24 @@ class TrainConfig:
     seed: int = 0
     batch_size: int = 8
     seq_len: int = 16
+    # Learning-rate multiplier: linear warmup over warmup_steps, then "constant"
+    # (1.0) or "cosine" (from 1.0 down to COSINE_FLOOR at the last step).
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    log_every: int = 1
+    eval_every: int = 0  # 0: no validation
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"
+    val_sequences: int = 64
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    adamw_lr: float = 1e-3
+    check_steps: int = 20
 
 
 @dataclass(frozen=True)
@@ -89,7 +122,9 @@ class RunConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelArgs = field(default_factory=ModelArgs)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     qk_clip: QKClipSettings = field(default_factory=QKClipSettings)
+    compare: CompareConfig = field(default_factory=CompareConfig)
     # Solver-style plan: (name glob, placements per mesh dim), in file order; None
     # when the model is parallelized with fully_shard / parallelize_module.
     placements: tuple[tuple[str, tuple[Placement, ...]], ...] | None = None
@@ -168,7 +203,7 @@ def build_config(raw: dict, name: str, world_size: int | None = None, where: str
     def fail(key: str, msg: str) -> ConfigError:
         return ConfigError(f"{where}: [{key}] {msg}" if "." not in key else f"{where}: {key}: {msg}")
 
-    sections = {"mesh", "model", "train", "qk_clip", "placements"}
+    sections = {"mesh", "model", "train", "data", "qk_clip", "compare", "placements"}
     for key in raw:
         if key not in sections:
             raise fail(key, f"unknown section; expected one of {sorted(sections)}")
@@ -189,11 +224,33 @@ def build_config(raw: dict, name: str, world_size: int | None = None, where: str
             raise
         raise ConfigError(f"{where}: {str(e).replace('ModelArgs.', 'model.')}") from e
     train = _dataclass_from(TrainConfig, raw.get("train", {}), "train", fail)
+    data = _dataclass_from(DataConfig, raw.get("data", {}), "data", fail)
     qk_clip = _dataclass_from(QKClipSettings, raw.get("qk_clip", {}), "qk_clip", fail)
+    compare = _dataclass_from(CompareConfig, raw.get("compare", {}), "compare", fail)
 
-    for key in ("steps", "batch_size", "seq_len"):
+    for key in ("steps", "batch_size", "seq_len", "log_every"):
         if getattr(train, key) < 1:
             raise fail(f"train.{key}", f"must be >= 1, got {getattr(train, key)}")
+    for key in ("warmup_steps", "eval_every"):
+        if getattr(train, key) < 0:
+            raise fail(f"train.{key}", f"must be >= 0, got {getattr(train, key)}")
+    if train.schedule not in SCHEDULES:
+        raise fail("train.schedule", f"must be one of {list(SCHEDULES)}, got {train.schedule!r}")
+    for key, value in (("train.lr", train.lr), ("compare.adamw_lr", compare.adamw_lr)):
+        if not value > 0:
+            raise fail(key, f"must be > 0, got {value}")
+    if compare.check_steps < 0:
+        raise fail("compare.check_steps", f"must be >= 0, got {compare.check_steps}")
+    if data.source not in DATA_SOURCES:
+        raise fail("data.source", f"must be one of {list(DATA_SOURCES)}, got {data.source!r}")
+    if data.source == "stdlib" and model.vocab_size != 256:
+        raise fail("model.vocab_size", f"is {model.vocab_size} but [data] source = \"stdlib\" has byte "
+                   "tokens; set vocab_size = 256")
+    if train.eval_every and data.source != "stdlib":
+        raise fail("train.eval_every", "needs [data] source = \"stdlib\" (the synthetic task has no "
+                   "validation split); set eval_every = 0 or change the source")
+    if data.val_sequences < 1:
+        raise fail("data.val_sequences", f"must be >= 1, got {data.val_sequences}")
     if qk_clip.head_dim is not None and qk_clip.head_dim != model.head_dim:
         raise fail("qk_clip.head_dim", f"is {qk_clip.head_dim} but model.head_dim is {model.head_dim}; "
                    "omit it or make them equal")
@@ -225,7 +282,11 @@ def build_config(raw: dict, name: str, world_size: int | None = None, where: str
     if train.batch_size % dp:
         raise fail("train.batch_size", f"{train.batch_size} is not divisible by the {dp} data-parallel "
                    "ranks; every rank takes an equal slice of the global batch")
-    return RunConfig(name=name, mesh=mesh, model=model, train=train, qk_clip=qk_clip, placements=placements)
+    if train.eval_every and data.val_sequences % dp:
+        raise fail("data.val_sequences", f"{data.val_sequences} is not divisible by the {dp} data-parallel "
+                   "ranks; every rank evaluates an equal slice")
+    return RunConfig(name=name, mesh=mesh, model=model, train=train, data=data, qk_clip=qk_clip,
+                     compare=compare, placements=placements)
 
 
 def _dataclass_from(cls, values, section: str, fail):

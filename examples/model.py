@@ -236,11 +236,22 @@ class Transformer(nn.Module):
                 scale = p.shape[-1] ** -0.5  # fan-in of every [.., out, in] matrix
             p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]``; with ``targets``, the mean cross-entropy loss instead.
+
+        Training passes ``targets`` so that the loss is computed inside the model:
+        under TP the lm_head's output is ``DTensor.to_local()``, a *view*, and a root
+        module wrapped by FSDP2 that returns a view gets a warning on every forward
+        (an in-place op on that view would drop FSDP2's pre-backward hook).  The loss
+        is a fresh tensor, and the logits never leave the module.
+        """
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h)
-        return self.output(self.norm(h))
+        logits = self.output(self.norm(h))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 def build_model(args: ModelArgs, seed: int) -> Transformer:
