@@ -77,6 +77,11 @@ done
 # 2. one step: agreement, host syncs, overlap trace
 run step_checks torchrun "$NPROC" scripts/gpu_check_step.py --device "$DEVICE" --out "$OUT"
 
+# 2b. the tests that need CUDA (skipped on CPU): flex_attention's max scores
+if [ "$DEVICE" = cuda ]; then
+    run cuda_tests "$PYTHON" -m pytest -q tests/test_max_logits.py
+fi
+
 # 3. benchmarks on the device
 if [ "$QUICK" = 1 ]; then
     run step_time torchrun "$NPROC" benchmarks/step_time.py --steps 2 --dim 256 --ffn-dim 512 --layers 2 --out "$OUT"
