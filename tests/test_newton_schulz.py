@@ -257,3 +257,7 @@ def test_large_matrices_take_the_symmetric_path_and_match_the_plain_iteration(me
         G = torch.randn(shape, generator=g)
         got = zeropower_via_newtonschulz(G, ns_steps=5, compute_dtype=torch.float32, method=method)
         torch.testing.assert_close(got.double(), _plain_quintic(G, 5), rtol=0, atol=2e-4)
+    G = torch.randn(2, 280, 400, generator=g)  # a batch of experts takes it too
+    got = zeropower_via_newtonschulz(G, ns_steps=5, compute_dtype=torch.float32, method=method)
+    for e in range(2):
+        torch.testing.assert_close(got[e].double(), _plain_quintic(G[e], 5), rtol=0, atol=2e-4)
