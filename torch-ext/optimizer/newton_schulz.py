@@ -14,9 +14,9 @@ Two ways to run the same iteration (``method``):
   ``X_K = Q_K X_0``. Fewer FLOPs once n > 1.5 m (see :func:`newton_schulz_flops`). In finite
   precision the m x m recursion drifts, so it restarts (re-forms A from X) on a schedule that
   depends on the coefficients and the compute dtype (:func:`gram_restart_plan`).
-* ``"auto"`` (default) picks the Gram form where it does fewer FLOPs for the shape and keeps
-  the classic form's accuracy in the compute dtype (fp32: yes; bf16: no), else the classic one
-  (:func:`choose_ns_method`).
+* ``"auto"`` (default) picks whichever does fewer FLOPs for the shape and compute dtype
+  (:func:`choose_ns_method`): the Gram form for rectangular matrices in fp32, the classic one in
+  bf16, where accurate Gram segments are one step long.
 
 Everything here is a pure function of its inputs: no process groups, no optimizer state. The
 distributed code gathers a full matrix (or a batch of them) and calls this.
@@ -136,40 +136,34 @@ def default_compute_dtype(device: torch.device | str) -> torch.dtype:
 
 # ------------------------------------------------------------------ Gram-space restarts
 
-# How far a spurious eigenvalue of the Gram matrix may drift within one Gram-space segment.
+# How much a Gram-space step's polynomial may be off, within one segment, because of drift.
 #
-# Rounding makes the computed A = X X^T slightly indefinite: an eigenvalue that should be 0 (or
-# below the rounding level) comes out near -u * ||A|| (u: the compute dtype's unit roundoff).
-# The m x m recursion multiplies every eigenvalue r of A by q(r)^2 per step. A positive r is
-# eventually damped (q falls below 1 as r approaches 1); a negative one is not: q(r) = a - |b| r
-# + c r^2 exceeds a and keeps growing, so after a few steps that direction of Q blows up and
-# takes the result with it. The classic form never sees this: it re-forms A from X at every
-# step, and an odd polynomial cannot flip a singular value's sign. Zhang, Amsel, Chen and Dao
-# ("Gram Newton-Schulz", Dao AI Lab blog, 2026; github.com/Dao-AILab/gram-newton-schulz) show the
-# effect and cure it by restarting: X <- Q X and A <- X X^T again part-way, which resets the
-# drift to the rounding level. They pick the restart steps by simulating a negatively perturbed
-# eigenvalue through the coefficient table (an autotune script; after step 2 for 5-step Polar
-# Express in fp16, which Microsoft's dion and several trainers then hard-code).
+# Rounding makes the computed A = X X^T slightly indefinite: an eigenvalue that should be 0, or
+# any below the rounding level (singular values under sqrt(u) of the largest), comes out near
+# -u * ||A|| (u: the compute dtype's unit roundoff). The m x m recursion multiplies every
+# eigenvalue r of A by q(r)^2 per step, q(r) = a + b r + c r^2, so such an r drifts from -u
+# geometrically. Two things go wrong (Zhang, Amsel, Chen and Dao, "Gram Newton-Schulz", Dao AI Lab
+# blog, 2026; github.com/Dao-AILab/gram-newton-schulz): while |r| is small, the directions below
+# the rounding level get the step factor q(r) instead of q(r_true), an error of about
+# |b r| / |a|; and since, unlike a positive r, a negative one is never damped (q grows with -r),
+# it eventually blows up, taking the result with it. The classic form has neither problem: it
+# re-forms A from X every step, and an odd polynomial cannot flip a singular value's sign. The
+# cure is to restart part-way: X <- Q X, A <- X X^T, which resets the drift to -u.
 #
-# We make that a rule evaluated per (coefficients, dtype): follow r_0 = -u through
-# r <- r q(r)^2 and restart before a step would use an r beyond this limit. At |r| = 0.1 a step's
-# factor q(r) is 14% (fixed table) to 28% (Polar Express's first step) above q(0) in that
-# direction, which only scales rounding noise; past ~0.3 it grows quadratically and the next step
-# diverges. The rule reproduces Dao et al.'s fp16 choice, runs 5 fp32 steps without a restart
-# (the drift reaches ~1e-2), and restarts every 1-2 steps in bf16, where anything longer was
-# measured to blow up on rank-deficient, ill-conditioned and power-law spectra (one restart after
-# step 3 of Polar Express: singular values up to 7e3; benchmarks/README.md).
-_GRAM_DRIFT_LIMIT = 0.1
-
-# Largest rounding amplification ``u * prod(|a_k|)`` over a Gram segment (see
-# :func:`gram_rounding_amplification`) at which ``method="auto"`` still takes the Gram form. Q
-# holds the product of a segment's q_k(A); its largest eigenvalue, prod(a_k) (the factor applied
-# to the smallest singular values), sets the rounding error of Q, so the output's singular values
-# near 1 carry a relative error of about u * prod(a_k) that the classic form does not have. fp32
-# stays near 1e-4 (5 fixed steps: 3e-5); bf16 with its 2-step segments is at 5-6%, and measured
-# 1.5-3.5x the classic form's own bf16 error (singular values within ~0.015 of its band), for a
-# FLOP saving of 1.3-1.4x: not a trade to make by default. fp16 (Dao et al.'s dtype) is at 1.6-2%.
-_GRAM_AUTO_MAX_AMPLIFICATION = 0.01
+# Dao et al. place restarts by simulating a negatively perturbed eigenvalue through the table and
+# minimising the condition number of Q (autotuned: after step 2 of 5-step Polar Express in fp16,
+# which Microsoft's dion and others hard-code). We make it a rule evaluated per (coefficients,
+# dtype), aimed at accuracy rather than only at avoiding blow-up: follow r_0 = -u through
+# r <- r q(r)^2 and restart before a step whose factor would be off by more than this fraction,
+# (|b| |r| + |c| r^2) / |a|. With 1%, fp32 runs 5 steps in one segment (the 5th is 0.2% off
+# with the fixed table, 0.8% with Polar Express) and 10 in two of 5 (a 6th would be 2% off;
+# measured, 6+4 steps left singular values of ill-conditioned inputs up to 0.16 off the fp64
+# iteration, 5+5 at most 4e-3: benchmarks/ns_efficiency.py --restart-study, README). In bf16 the
+# second step would already be 6.5% off, so every segment is one step, which is the classic
+# iteration: the Gram form has no accurate FLOP saving in bf16. (There 2-step segments do not
+# blow up but were measured 1.5-3.5x less accurate than the classic form; one restart after
+# step 2 or 3, as in fp16 practice, blew up on rank-deficient and power-law inputs.)
+_GRAM_STEP_ERROR_LIMIT = 0.01
 
 
 def gram_restart_plan(
@@ -179,26 +173,16 @@ def gram_restart_plan(
 
     Each segment forms ``A = X X^T`` from the current X, runs its steps on m x m matrices and
     ends with ``X <- Q X``; a segment of one step is exactly a classic step. ``dtype`` is the
-    compute dtype (None: float32). See ``_GRAM_DRIFT_LIMIT`` for the rule.
+    compute dtype (None: float32). See ``_GRAM_STEP_ERROR_LIMIT`` for the rule; with the tables
+    here: fp32 5 steps -> (5,), 10 -> (5, 5); bf16 -> all ones.
     """
     steps = tuple(resolve_ns_coefficients(coefficients, ns_steps))
     return _restart_plan(steps, torch.finfo(dtype or torch.float32).eps / 2)
 
 
-def gram_rounding_amplification(
-    coefficients: CoefficientSpec, ns_steps: int, dtype: torch.dtype | None = None
-) -> float:
-    """``u * max(prod |a_k|)`` over the Gram segments of two or more steps (0 if there are none):
-    the relative rounding error the Gram form adds to singular values near 1 (see
-    ``_GRAM_AUTO_MAX_AMPLIFICATION``). ``u`` is ``dtype``'s unit roundoff (None: float32)."""
-    steps = resolve_ns_coefficients(coefficients, ns_steps)
-    plan = gram_restart_plan(steps, ns_steps, dtype)
-    worst, first = 0.0, 0
-    for length in plan:
-        if length > 1:
-            worst = max(worst, math.prod(abs(a) for a, _, _ in steps[first : first + length]))
-        first += length
-    return worst * torch.finfo(dtype or torch.float32).eps / 2
+def _drift_error(r: float, a: float, b: float, c: float) -> float:
+    """Relative error of the step factor q(r) = a + b r + c r^2 at a drifted eigenvalue r."""
+    return (abs(b * r) + abs(c * r * r)) / abs(a) if a != 0 else math.inf
 
 
 @lru_cache(maxsize=512)
@@ -206,7 +190,8 @@ def _restart_plan(steps: tuple[Coefficients, ...], unit_roundoff: float) -> tupl
     lengths: list[int] = []
     r = math.nan
     for a, b, c in steps:
-        if not abs(r) <= _GRAM_DRIFT_LIMIT:  # also restarts on the first step (nan) and on inf
+        # not <=: restarts on the first step (r is nan) and on an overflowed r
+        if not lengths or not _drift_error(r, a, b, c) <= _GRAM_STEP_ERROR_LIMIT:
             lengths.append(0)
             r = -unit_roundoff
         lengths[-1] += 1
@@ -266,14 +251,13 @@ def choose_ns_method(
     coefficients: CoefficientSpec = "fixed",
 ) -> str:
     """``"classic"`` or ``"gram"``: ``method`` itself unless it is ``"auto"``, which picks the
-    Gram form where it does fewer FLOPs (:func:`newton_schulz_flops`) for this shape, compute
-    ``dtype`` (None: float32) and coefficient table, and keeps the classic form's accuracy in
-    that dtype (:func:`gram_rounding_amplification` at most ``_GRAM_AUTO_MAX_AMPLIFICATION``);
-    otherwise, and on ties, classic.
+    form with fewer FLOPs (:func:`newton_schulz_flops`) for this shape, compute ``dtype`` (None:
+    float32) and coefficient table; ties go to classic.
 
-    Fewer FLOPs means exactly ``max(m, n) > 1.5 min(m, n)`` with a restart plan that has a
-    segment of two or more steps. The accuracy condition holds in fp32 and fp64 and fails in
-    bf16 and fp16, so "auto" is the classic form there. Pure: no tensors, the same answer on
+    The Gram form saves FLOPs exactly when ``max(m, n) > 1.5 min(m, n)`` and its restart plan
+    (:func:`gram_restart_plan`, where the dtype and coefficients enter) has a segment of two or
+    more steps. That holds in fp32 and fp64; in bf16 the plan is one step per segment (the classic
+    iteration, for accuracy), so "auto" is classic there. Pure: no tensors, the same answer on
     every rank.
     """
     check_ns_method(method)
@@ -281,10 +265,7 @@ def choose_ns_method(
         return method
     classic = newton_schulz_flops(shape, ns_steps, "classic")
     gram = newton_schulz_flops(shape, ns_steps, "gram", dtype, coefficients)
-    if gram >= classic:
-        return "classic"
-    accurate = gram_rounding_amplification(coefficients, ns_steps, dtype) <= _GRAM_AUTO_MAX_AMPLIFICATION
-    return "gram" if accurate else "classic"
+    return "gram" if gram < classic else "classic"
 
 
 # ------------------------------------------------------------------ the iteration
