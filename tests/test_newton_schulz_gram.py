@@ -19,7 +19,6 @@ below leave about 2x margin):
   Express past 5 steps): singular values within 0.05 of the classic form's band.
 """
 
-import math
 
 import pytest
 import torch

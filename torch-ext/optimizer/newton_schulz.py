@@ -158,11 +158,12 @@ def default_compute_dtype(device: torch.device | str) -> torch.dtype:
 # (|b| |r| + |c| r^2) / |a|. With 1%, fp32 runs 5 steps in one segment (the 5th is 0.2% off
 # with the fixed table, 0.8% with Polar Express) and 10 in two of 5 (a 6th would be 2% off;
 # measured, 6+4 steps left singular values of ill-conditioned inputs up to 0.16 off the fp64
-# iteration, 5+5 at most 4e-3: benchmarks/ns_efficiency.py --restart-study, README). In bf16 the
-# second step would already be 6.5% off, so every segment is one step, which is the classic
-# iteration: the Gram form has no accurate FLOP saving in bf16. (There 2-step segments do not
-# blow up but were measured 1.5-3.5x less accurate than the classic form; one restart after
-# step 2 or 3, as in fp16 practice, blew up on rank-deficient and power-law inputs.)
+# iteration, 5+5 at most 4e-3, 1.3e-2 at condition number 1e6: tests/test_newton_schulz_gram.py,
+# benchmarks/ns_efficiency.py --restart-study). In bf16 the second step would already be 6.4%
+# off, so every segment is one step (up to Polar Express's converged steps past the 5th), which
+# is the classic iteration: the Gram form has no accurate FLOP saving in bf16. (There 2-step
+# segments do not blow up but were measured 1.5-3.5x less accurate than the classic form; one
+# restart after step 2 or 3, as in fp16 practice, blew up on rank-deficient and power-law inputs.)
 _GRAM_STEP_ERROR_LIMIT = 0.01
 
 
@@ -174,7 +175,7 @@ def gram_restart_plan(
     Each segment forms ``A = X X^T`` from the current X, runs its steps on m x m matrices and
     ends with ``X <- Q X``; a segment of one step is exactly a classic step. ``dtype`` is the
     compute dtype (None: float32). See ``_GRAM_STEP_ERROR_LIMIT`` for the rule; with the tables
-    here: fp32 5 steps -> (5,), 10 -> (5, 5); bf16 -> all ones.
+    here: fp32 5 steps -> (5,), 10 -> (5, 5); bf16 up to 5 steps -> all ones.
     """
     steps = tuple(resolve_ns_coefficients(coefficients, ns_steps))
     return _restart_plan(steps, torch.finfo(dtype or torch.float32).eps / 2)
@@ -257,8 +258,8 @@ def choose_ns_method(
     The Gram form saves FLOPs exactly when ``max(m, n) > 1.5 min(m, n)`` and its restart plan
     (:func:`gram_restart_plan`, where the dtype and coefficients enter) has a segment of two or
     more steps. That holds in fp32 and fp64; in bf16 the plan is one step per segment (the classic
-    iteration, for accuracy), so "auto" is classic there. Pure: no tensors, the same answer on
-    every rank.
+    iteration, for accuracy; up to 5 steps, and for the fixed table always), so "auto" is classic
+    there. Pure: no tensors, the same answer on every rank.
     """
     check_ns_method(method)
     if method != "auto":
