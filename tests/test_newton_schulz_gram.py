@@ -19,7 +19,6 @@ below leave about 2x margin):
   Express past 5 steps): singular values within 0.05 of the classic form's band.
 """
 
-
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
