@@ -352,26 +352,29 @@ def test_bad_method_is_named():
 @pytest.mark.parametrize("method", ["classic", "gram"])
 def test_normalisation_divides_in_fp32_and_rounds_once(input_dtype, method):
     """The normalised matrix, seen through the identity polynomial p(s) = s (one step of
-    (1, 0, 0)), is G / ||G|| rounded once to bf16. Dividing by a bf16-rounded norm instead
-    scales it by up to 2^-8: here the norm is about 1 + 0.99 * 2^-8, which bf16 rounds to 1, so
-    the old code's result is 0.4-0.5% too large."""
+    (1, 0, 0)), is G in bf16 (what a bf16 all-gather delivers) divided by its norm in fp32 and
+    rounded once. Dividing by a bf16-rounded norm instead scales it by up to 2^-8: here the norm
+    is about 1 + 0.99 * 2^-8, which bf16 rounds to 1, so the old code's result is 0.4-0.5% large."""
     g = torch.Generator().manual_seed(7)
     G = torch.randn(64, 256, generator=g, dtype=torch.float64)
     G = (G * ((1 + 0.99 * 2.0**-8) / G.norm())).to(input_dtype)
-    exact = G.double() / G.double().norm()
+    G_bf16 = G.to(torch.bfloat16).double()
+    exact = G_bf16 / G_bf16.norm()
     rounded_once = exact.to(torch.bfloat16).double()
     out = zeropower_via_newtonschulz(G, 1, (1.0, 0.0, 0.0), compute_dtype=torch.bfloat16, method=method)
     assert out.dtype == torch.bfloat16
     out = out.double()
-    # (bf16 inputs lie on the grid the result is rounded to, so rounding once is not unbiased:
-    # the norm of the correctly rounded quotient is itself 0.13% below 1 here)
+    # (G_bf16 lies on the grid the result is rounded to, so rounding once is not unbiased: the
+    # norm of the correctly rounded quotient is itself ~0.13% below 1 here)
     assert abs(out.norm().item() - rounded_once.norm().item()) < 1e-4
-    if input_dtype == torch.float32:
-        assert abs(out.norm().item() - 1.0) < 5e-4
     # elementwise: the exact quotient rounded once, up to the fp32 (not fp64) norm: <= 1 ulp
     assert ((out - rounded_once).abs() <= 2.0**-7 * exact.abs()).all()
     sv = torch.linalg.svdvals(out)
     torch.testing.assert_close(sv, torch.linalg.svdvals(rounded_once), atol=2e-4, rtol=0)
+    # the same numbers whether G arrives in fp32 or already in bf16 (parallel Muon's bf16 wire)
+    same = zeropower_via_newtonschulz(G.to(torch.bfloat16), 1, (1.0, 0.0, 0.0), compute_dtype=torch.bfloat16,
+                                      method=method)
+    assert torch.equal(same.double(), out)
 
 
 def test_norm_safety_still_applies_in_fp32():

@@ -327,13 +327,14 @@ def _normalised(G: Tensor, dtype: torch.dtype, norm_safety: float, eps: float) -
     """G as [batch, s, l] (tall matrices transposed), each matrix divided by its Frobenius norm
     times ``norm_safety``, in ``dtype``, contiguous.
 
-    The norm and the division are in fp32 (or wider, if G or dtype is), rounding once to
-    ``dtype``: dividing by a bf16-rounded norm would scale the matrix by up to 2^-8 (0.4%) off,
-    a fifth of Polar Express's 2% safety margin. Frobenius norm >= spectral norm, so singular
-    values land in (0, 1 / norm_safety].
+    G is first cast to ``dtype``: exactly the numbers a bf16 all-gather delivers to the owner, so
+    parallel and single-device Muon see the same matrix. The norm of that matrix and the division
+    are then in fp32 (or wider, if G or dtype is), rounding once more: dividing by a bf16-rounded
+    norm would scale the matrix by up to 2^-8 (0.4%) off, a fifth of Polar Express's 2% safety
+    margin. Frobenius norm >= spectral norm, so singular values land in (0, 1 / norm_safety].
     """
     m, n = G.shape[-2:]
-    X = G.reshape(-1, m, n)
+    X = G.to(dtype).reshape(-1, m, n)
     if m > n:
         X = X.mT
     wide = torch.promote_types(torch.promote_types(G.dtype, dtype), torch.float32)
