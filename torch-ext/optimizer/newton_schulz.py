@@ -284,8 +284,9 @@ def zeropower_via_newtonschulz(
     """Approximately orthogonalise every matrix in ``G`` (shape ``[..., m, n]``).
 
     Leading dims are a batch of independent matrices (a 3-D MoE weight ``[E, out, in]`` is E
-    matrices done in one batched call). Each matrix is divided by its own Frobenius norm (times
-    ``norm_safety``; default: what the named table needs, else 1), tall matrices are transposed
+    matrices done in one batched call). G is cast to the compute dtype and each matrix divided
+    by its own Frobenius norm in fp32 (times ``norm_safety``; default: what the named table
+    needs, else 1), rounding once to the compute dtype; tall matrices are transposed
     so the Gram matrix ``X X^T`` is the small one. ``method`` is ``"classic"``, ``"gram"`` or
     ``"auto"`` (:func:`choose_ns_method`; the two forms compute the same polynomial and differ
     in rounding only). Returns a tensor of ``G``'s shape in the compute dtype (default
