@@ -85,12 +85,10 @@ def compare_forms(G, name, steps, dtype):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("aspect", [1, 2, 4, 8])
-@pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
+@pytest.mark.parametrize("aspect, tall", [(1, False), (2, False), (4, False), (8, False), (2, True), (4, True),
+                                          (8, True)], ids=["square", "wide2", "wide4", "wide8", "tall2", "tall4", "tall8"])
 @pytest.mark.parametrize("name", ["fixed", "polar_express"])
 def test_fp32_gram_matches_classic_and_the_fp64_polynomial(kind, aspect, tall, name):
-    if aspect == 1 and tall:
-        pytest.skip("square: tall is wide")
     G = make_input(kind, *shapes_for(32, aspect, tall))
     classic, gram = compare_forms(G, name, 5, torch.float32)
     assert classic["to_polynomial"] < 1e-4  # the reference itself is right
