@@ -19,13 +19,15 @@ import titan_fixture  # noqa: E402  (imported once here so forked ranks do not i
 from harness import run_ranks  # noqa: E402
 from torch import nn  # noqa: E402
 
-from optimizer import Muon  # noqa: E402
+from optimizer import FusedQKV, MLAHeads, Muon, QKClipConfig, SplitQKV  # noqa: E402
 from optimizer.integrations.torchtitan import (  # noqa: E402
     ADAMW_PATTERN,
+    MaxLogitRecorder,
     MuonOptimizersContainer,
     default_param_groups,
     find_hidden_shards,
 )
+from optimizer.row_blocks import ROW_BLOCKS_KEY  # noqa: E402
 
 LR = 2e-2
 TOL = 1e-5  # fp32 Newton–Schulz on CPU: measured 0 or a few ulps; anything real is >= 1e-3
@@ -35,12 +37,21 @@ def container_config(**kw) -> MuonOptimizersContainer.Config:
     return MuonOptimizersContainer.Config(**{"param_groups": default_param_groups(lr=LR), "compute_dtype": "float32", **kw})
 
 
-def reference_for(opts: MuonOptimizersContainer, full: dict[str, torch.Tensor], qk_clip=None):
-    """Single-device Muon on plain copies of the full weights, with the container's groups and hyperparameters."""
+def reference_for(opts: MuonOptimizersContainer, full: dict[str, torch.Tensor], qk_clip=None, row_blocks=None):
+    """Single-device Muon on plain copies of the full weights, with the container's groups and hyperparameters.
+
+    ``row_blocks``: when given, the reference's own ``{name: spec}`` split orthogonalisation
+    (the container's is dropped, so the comparison does not trust it)."""
     params = {n: nn.Parameter(w.clone()) for n, w in full.items()}
     groups = []
     for g in opts.optimizers[0].param_groups:
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in g["param_names"]]})
+        group = {**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in g["param_names"]]}
+        if row_blocks is not None:
+            group.pop(ROW_BLOCKS_KEY, None)
+            blocks = {n: row_blocks[n] for n in g["param_names"] if n in row_blocks}
+            if blocks and g["use_muon"]:
+                group[ROW_BLOCKS_KEY] = blocks
+        groups.append(group)
     return params, Muon(groups, compute_dtype=torch.float32, qk_clip=qk_clip)
 
 
@@ -129,12 +140,159 @@ def test_qwen3_moe_matches_single_device_muon(layout):
 
 # ------------------------------------------------------------------------------------ QK-clip
 
-def test_qk_clip_with_logits_from_a_callable():
-    """Logits come from the pluggable callable; heads over the threshold are clipped as single-device Muon clips them."""
-    logits = {0: torch.tensor([150.0, 20.0, 400.0, 99.0]), 1: torch.tensor([10.0, 120.0, 5.0, 300.0])}
-    results = run_ranks(train_and_compare, 4, "llama3", dict(data_parallel_shard_degree=2, tensor_parallel_degree=2),
-                        qk_logits=logits, config_kw=dict(qk_clip_threshold=100.0), timeout=240)
-    check(results)
+def materialised_max_logits(model: nn.Module, batches: list[torch.Tensor], expected_scale: float | None) -> dict:
+    """Per layer, every query head's max of ``scale * q k^T`` over ``batches``, from full logit matrices.
+
+    q and k are what torchtitan's attention hands its inner SDPA (after RoPE; MLA's [nope; rope]),
+    captured on a single-device model; the logits are materialised as ``[B, H, L, L]`` in float64
+    with the keys repeated for grouped-query heads and an explicit causal mask. The scale is the
+    one the test derives from the model config (checked against what the module passes).
+    """
+    from torchtitan.models.common.attention import BaseAttention
+
+    captured: dict = {}
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, BaseAttention):
+            block = name.rsplit(".attention", 1)[0]  # "layers.3" or "mtp_layers.0"
+            key = int(block.split(".")[1]) if block.startswith("layers.") else block
+
+            def grab(mod, args, kwargs, key=key):
+                captured.setdefault(key, []).append((args[0].detach(), args[1].detach(), kwargs.get("scale"),
+                                                     kwargs.get("is_causal", True)))
+            hooks.append(m.inner_attention.register_forward_pre_hook(grab, with_kwargs=True))
+    with torch.no_grad():
+        for tokens in batches:
+            model(tokens[:, :-1])
+    for h in hooks:
+        h.remove()
+    out = {}
+    for key, calls in captured.items():
+        best = None
+        for q, k, scale, causal in calls:
+            assert causal is True
+            if expected_scale is None:
+                assert scale is None, scale
+                scale = q.shape[-1] ** -0.5  # SDPA's default
+            assert scale == pytest.approx(expected_scale or scale, rel=1e-12), (scale, expected_scale)
+            q, k = q.double().transpose(1, 2), k.double().transpose(1, 2)  # [B, H, L, D]
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            logits = scale * q @ k.transpose(-1, -2)
+            seq = q.shape[2]
+            logits = logits.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf"))
+            m = logits.amax(dim=(0, 2, 3)).float()
+            best = m if best is None else torch.maximum(best, m)
+        out[key] = best
+    return out
+
+
+def _mla_roles(name: str):
+    """The reference's own classification of deepseek_v3 weights (MTP layer keyed apart from layers.0)."""
+    parts = name.split(".")
+    role = {"wq_b": "q", "wkv_b": "k"}.get(parts[-2]) if parts[-1] == "weight" else None
+    if role is None:
+        return None
+    return (int(parts[1]) if parts[0] == "layers" else f"{parts[0]}.{parts[1]}", role)
+
+
+def _expected_qk(model: str, orthogonalization: str, names) -> tuple[dict, dict, float | None]:
+    """The reference's QKClipConfig kwargs, row blocks and softmax scale, from the fixture's sizes."""
+    import math
+
+    from titan_fixture import HEAD_DIM, HEADS, KV_HEADS, QK_NOPE, QK_ROPE, V_HEAD
+
+    if model == "deepseek_v3":  # yarn with rope_factor 4 and mscale 0.7 multiplies the scale by mscale^2
+        scale = (QK_NOPE + QK_ROPE) ** -0.5 * (0.1 * 0.7 * math.log(4.0) + 1.0) ** 2
+        return dict(mla=MLAHeads(QK_NOPE, QK_ROPE, V_HEAD), classify=_mla_roles), {}, scale
+    fused = FusedQKV(HEADS, KV_HEADS, HEAD_DIM, "grouped")
+    spec = {"split": fused, "per_head": SplitQKV(fused, per_head=True), "whole": None}[orthogonalization]
+    return dict(fused_qkv=fused), {n: spec for n in names if n.endswith("wqkv.weight") and spec is not None}, None
+
+
+def _qk_clip_rank(rank, world, model, degrees, orthogonalization, steps=2):
+    """Train with QK-clip whose logits the MaxLogitRecorder takes from torchtitan's attention, each
+    data-parallel rank on its own batches; step a single-device reference with its own QK-clip
+    config, row blocks and logits materialised from the reference weights."""
+    parallel, full, dims = titan_fixture.build(model, world, **degrees)
+    dp = dims.dp_replicate * dims.dp_shard
+    stream = titan_fixture.data_parallel_rank(dims)
+    qk_kwargs, row_blocks, scale = _expected_qk(model, orthogonalization, full)
+    plain = titan_fixture.plain_model(model, full)
+
+    def batches(step):
+        return [titan_fixture.batch_tokens(step, stream=d) for d in range(dp)]
+
+    wanted = [materialised_max_logits(plain, batches(0), scale)]
+    threshold = torch.cat(list(wanted[0].values())).median().item()  # about half the heads clip at step 0
+    opts = container_config(qk_clip_threshold=threshold, fused_qkv_orthogonalization=orthogonalization).build(
+        model_parts=[parallel])
+    recorder = MaxLogitRecorder.for_parallel_dims([parallel], dims, layers=opts.qk_layers)
+    recorded = []
+    opts.set_qk_logits_fn(lambda parts: recorded.append(recorder(parts)) or recorded[-1])
+    ref_params, ref = reference_for(opts, full, qk_clip=QKClipConfig(threshold=threshold, **qk_kwargs),
+                                    row_blocks=row_blocks)
+    clipped = []
+    for step in range(steps):
+        if step:
+            with torch.no_grad():
+                titan_fixture.load_full_weights(plain, {n: p.detach() for n, p in ref_params.items()})
+            wanted.append(materialised_max_logits(plain, batches(step), scale))
+        titan_fixture.forward_backward(parallel, step, dims, stream=stream)
+        grads = {n: titan_fixture.full_tensor(p.grad) for n, p in parallel.named_parameters()}
+        opts.step()
+        opts.zero_grad()
+        clipped.append(opts.optimizers[0].qk_clip_report.clipped_heads)
+        for n, p in ref_params.items():
+            p.grad = grads[n]
+        ref.step(qk_logits=wanted[-1])
+    deviation = {n: (titan_fixture.full_tensor(p.detach()) - ref_params[n].detach()).abs().max().item()
+                 for n, p in parallel.named_parameters()}
+    moved = {n: (ref_params[n].detach() - full[n]).abs().max().item() for n in full}
+    placements = {n: str(tuple(p.placements)) if hasattr(p, "placements") else "plain"
+                  for n, p in parallel.named_parameters()}
+    blocks = {n: (g.get(ROW_BLOCKS_KEY) or {}).get(n) for g in opts.optimizers[0].param_groups
+              for n in g["param_names"] if "wqkv" in n}
+    return (deviation, moved, placements), recorded, wanted, clipped, blocks
+
+
+def check_qk_clip(results, n_layers):
+    check([results[0][0]])
+    recorded, wanted, clipped = results[0][1], results[0][2], results[0][3]
+    for rank, other in enumerate(results[1:], 1):  # every rank passed the same logits to Muon
+        for mine, theirs in zip(recorded, other[1]):
+            assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), rank
+    for step, (got, want) in enumerate(zip(recorded, wanted)):
+        assert got.keys() == want.keys() and len(got) == n_layers, (got.keys(), want.keys())
+        for layer in want:
+            torch.testing.assert_close(got[layer], want[layer], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"step {step} layer {layer!r}: {m}")
+    total = sum(v.numel() for v in wanted[0].values())
+    assert 0 < sum(clipped[0].values()) < total, clipped  # some heads clipped, some not: not vacuous
+
+
+@pytest.mark.parametrize("layout,orthogonalization", [
+    ("fsdp", "whole"), ("fsdp_tp", "split"), ("fsdp_tp", "per_head"),
+])
+def test_fused_qkv_qk_clip_with_recorded_logits_matches_single_device(layout, orthogonalization):
+    """torchtitan's default fused wqkv: QK-clip (grouped layout read from the model) with logits the
+    recorder takes from the attention, and split orthogonalisation, equal single-device Muon given
+    an independently built QKClipConfig / row blocks and logits materialised from the same weights."""
+    world, degrees, _ = LLAMA3_LAYOUTS[layout]
+    results = run_ranks(_qk_clip_rank, world, "llama3_fused", degrees, orthogonalization, timeout=240)
+    check_qk_clip(results, titan_fixture.LAYERS)
+    expected = {"whole": None, "split": "FusedQKV", "per_head": "SplitQKV"}[orthogonalization]
+    assert {type(b).__name__ if b is not None else None for b in results[0][4].values()} == {expected}
+
+
+def test_mla_qk_clip_with_recorded_logits_matches_single_device():
+    """deepseek_v3 (MLA with query LoRA, YaRN softmax scale, MoE, one MTP layer) under EP + TP + FSDP:
+    QK-clip on wq_b / wkv_b with recorded logits equals single-device Muon."""
+    degrees = dict(data_parallel_shard_degree=2, tensor_parallel_degree=2, expert_parallel_degree=2)
+    results = run_ranks(_qk_clip_rank, 4, "deepseek_v3", degrees, "whole", timeout=300)
+    check_qk_clip(results, titan_fixture.LAYERS + 1)
+    placements = results[0][0][2]
+    assert placements["layers.1.attention.wq_b.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert placements["layers.1.moe.routed_experts.inner_experts.w1_EFD"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
 
 
 def _qk_clipped_rank(rank, world, threshold):
