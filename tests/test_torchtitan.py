@@ -30,6 +30,7 @@ from optimizer.integrations.torchtitan import (  # noqa: E402
 from optimizer.row_blocks import ROW_BLOCKS_KEY  # noqa: E402
 
 LR = 2e-2
+HEADS_PER_KV = titan_fixture.HEADS // titan_fixture.KV_HEADS
 TOL = 1e-5  # fp32 Newton–Schulz on CPU: measured 0 or a few ulps; anything real is >= 1e-3
 
 
@@ -295,6 +296,141 @@ def test_mla_qk_clip_with_recorded_logits_matches_single_device():
     assert placements["layers.1.moe.routed_experts.inner_experts.w1_EFD"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
 
 
+def test_qk_layouts_read_from_the_model_are_the_rows_torchtitan_computes_with():
+    """The FusedQKV ("grouped") and MLAHeads the container reads from the attention modules name the
+    weight rows torchtitan's own forward uses for each head's query, key and value: checked by
+    running the modules on random inputs, not by reading their code."""
+    from optimizer.attention_layouts import Part
+    from titan_fixture import DIM, HEAD_DIM, HEADS, KV_HEADS, QK_NOPE, QK_ROPE, V_HEAD
+
+    model = titan_fixture.plain_model("llama3_fused")
+    fused = container_config(qk_clip_threshold=100.0).build(model_parts=[model]).qk_clip_config.fused_qkv
+    assert fused == FusedQKV(HEADS, KV_HEADS, HEAD_DIM, "grouped")
+    qkv = model.layers["0"].attention.qkv_linear
+    x = torch.randn(2, 5, DIM)
+    with torch.no_grad():
+        outputs = dict(zip((Part.Q, Part.K, Part.V), qkv(x)))  # each [B, L, heads, head_dim]
+        layout, w = fused.row_layout(), qkv.wqkv.weight
+        for part, out in outputs.items():
+            for h in range(out.shape[2]):
+                torch.testing.assert_close(out[:, :, h], x @ w[layout.rows(part, h)].T, msg=f"{part!r} head {h}")
+
+    model = titan_fixture.plain_model("deepseek_v3")
+    mla = container_config(qk_clip_threshold=100.0).build(model_parts=[model]).qk_clip_config.mla
+    assert mla == MLAHeads(QK_NOPE, QK_ROPE, V_HEAD)
+    attn, seen = model.layers["0"].attention, {}
+    def grab(key):
+        def hook(module, args):
+            seen[key] = args[0] if key != "qkv" else args
+        return hook
+
+    hooks = [attn.wq_b.register_forward_pre_hook(grab("q_latent")),
+             attn.wkv_b.register_forward_pre_hook(grab("kv_latent")),
+             attn.inner_attention.register_forward_pre_hook(grab("qkv"))]
+    with torch.no_grad():
+        model(titan_fixture.batch_tokens(0)[:, :-1])
+    for h in hooks:
+        h.remove()
+    q, k, v = seen["qkv"]  # [B, L, heads, nope + rope] after RoPE; v [B, L, heads, v_head_dim]
+    q_rows, kv_rows = mla.q_layout(HEADS), mla.kv_b_layout(HEADS)
+    for h in range(HEADS):
+        project_q = seen["q_latent"] @ attn.wq_b.weight[q_rows.rows(Part.Q_NOPE, h)].T
+        torch.testing.assert_close(q[:, :, h, :QK_NOPE], project_q.detach())
+        project_k = seen["kv_latent"] @ attn.wkv_b.weight[kv_rows.rows(Part.K_NOPE, h)].T
+        torch.testing.assert_close(k[:, :, h, :QK_NOPE], project_k.detach())
+        project_v = seen["kv_latent"] @ attn.wkv_b.weight[kv_rows.rows(Part.V, h)].T
+        torch.testing.assert_close(v[:, :, h], project_v.detach())
+        # q_pe rows: RoPE rotates pairs of features, so each pair keeps its length
+        rope = (seen["q_latent"] @ attn.wq_b.weight[q_rows.rows(Part.Q_PE, h)].T).detach().unflatten(-1, (-1, 2))
+        torch.testing.assert_close(q[:, :, h, QK_NOPE:].unflatten(-1, (-1, 2)).norm(dim=-1), rope.norm(dim=-1))
+
+
+def test_recorder_keeps_the_steps_max_and_records_only_training_forwards():
+    """Running max over a step's forwards (gradient accumulation); every=2 records every other step;
+    forwards without grad and activation-checkpoint recomputation in backward are not recorded."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = titan_fixture.plain_model("llama3_fused")
+    recorder = MaxLogitRecorder([model], every=2)
+    a, b, c = (titan_fixture.batch_tokens(0, stream=i) for i in (0, 1, 3))
+    want = materialised_max_logits(model, [a, b], None)
+    # premises: the second batch raises some maxima, and so would the unrecorded third
+    for other in (materialised_max_logits(model, [a], None), materialised_max_logits(model, [a, b, c], None)):
+        assert any(not torch.equal(want[k], other[k]) for k in want)
+    model(a[:, :-1])
+    with torch.no_grad():
+        model(c[:, :-1])  # validation: not recorded
+    model(b[:, :-1])
+    got = recorder([model])
+    assert got.keys() == want.keys() == {0, 1}
+    for layer in want:
+        torch.testing.assert_close(got[layer], want[layer], rtol=1e-5, atol=1e-7)
+
+    assert not recorder.recording  # step 1 of every=2
+    model(a[:, :-1])
+    assert recorder._forwards == 0 and recorder([model]) is None
+
+    assert recorder.recording  # step 2: a checkpointed forward is recorded once, not again in backward
+    checkpoint(lambda t: model(t).sum(), a[:, :-1], use_reentrant=False).backward()
+    assert recorder._forwards == titan_fixture.LAYERS
+    recorder([model])
+
+    recorder([model])  # step 3 (not recorded); step 4 had only a no-grad forward:
+    with torch.no_grad():
+        model(a[:, :-1])
+    with pytest.raises(RuntimeError, match="no training forward pass"):
+        recorder([model])
+    recorder.remove()
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+def test_recorder_follows_flexattention_block_masks(monkeypatch):
+    """torchtitan's language models use FlexAttention with its causal + packed-document BlockMask:
+    the recorder takes the mask from the BlockMask, so a key in another document never counts."""
+    import torchtitan.models.common.decoder as decoder
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+
+    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", flex_attention)  # eager: no inductor on CPU
+    monkeypatch.setattr(decoder, "create_attention_mask", create_block_mask)
+    config = titan_fixture.tiny_llama3(fuse_qkv=True)
+    for layer in config.layers:
+        layer.attention.inner_attention = FlexAttention.Config()
+    torch.manual_seed(0)
+    model = config.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    model.requires_grad_(False)  # eager flex_attention has no CPU backward; grad mode stays on (recorded)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3],
+                              [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4, 5]])
+    tokens = titan_fixture.batch_tokens(0, seq=16)[:, :-1]
+    masks = model.get_attention_masks(positions)
+    recorder = MaxLogitRecorder([model])
+    seen = {}
+    for i in (0, 1):
+        def grab(module, args, i=i):
+            seen[i] = (args[0].detach(), args[1].detach())
+        model.layers[str(i)].attention.inner_attention.register_forward_pre_hook(grab)
+    model(tokens, positions, masks)
+    got = recorder([model])
+
+    doc = torch.cumsum(positions == 0, dim=1) - 1
+    same_doc_causal = (doc[:, :, None] == doc[:, None, :]) & torch.ones(16, 16, dtype=torch.bool).tril()
+    for i, (q, k) in seen.items():
+        q, k = q.double().transpose(1, 2), k.double().transpose(1, 2).repeat_interleave(HEADS_PER_KV, dim=1)
+        logits = q @ k.transpose(-1, -2) * titan_fixture.HEAD_DIM ** -0.5
+        want = logits.masked_fill(~same_doc_causal[:, None], float("-inf")).amax(dim=(0, 2, 3)).float()
+        causal = logits.masked_fill(~same_doc_causal.new_ones(16, 16).tril(), float("-inf")).amax(dim=(0, 2, 3))
+        assert not torch.allclose(causal.float(), want)  # premise: the document mask changes the maxima
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-7)
+
+    inner = model.layers["0"].attention.inner_attention
+    q = torch.randn(2, 16, titan_fixture.HEADS, titan_fixture.HEAD_DIM)
+    with pytest.raises(ValueError, match="score_mod"):
+        inner(q, q, q, attention_masks=masks, score_mod=lambda score, b, h, i, j: score)
+
+
 def _qk_clipped_rank(rank, world, threshold):
     """Whether the container's QK-clip changed wq (vs. the same run with QK-clip off)."""
     out = []
@@ -448,27 +584,28 @@ def test_default_presets_fit_torchtitan_models(make):
         assert any(params[n].ndim == 3 for n in set(params) - adamw)  # expert stacks go to Muon
 
 
-def _bad_config_messages(rank, world, cases):
-    from torchtitan.components.optimizer import ParamGroupConfig  # noqa: F401 - used by the cases
-
-    parallel, _, _ = titan_fixture.build("llama3", world, data_parallel_shard_degree=1)
-    messages = {}
-    for name, config_kw in cases.items():
-        try:
-            container_config(**config_kw).build(model_parts=[parallel])
-            messages[name] = None
-        except ValueError as err:
-            messages[name] = str(err)
-    return messages
+def _refusal(make, model: str = "llama3"):
+    """The ValueError message of building the container (``make(model) -> Config``) on a plain model, or None."""
+    try:
+        make().build(model_parts=[titan_fixture.plain_model(model)])
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def test_bad_configs_are_refused_clearly():
+    """Each bad setting is refused when the container is built, naming the setting (or the weights) and what to do."""
     from torchtitan.components.optimizer import ParamGroupConfig
 
     cases = {
         "implementation": (dict(implementation="fused"), "leave it at 'auto'"),
         "dtype": (dict(compute_dtype="fp8"), "compute_dtype must be one of"),
-        "logits-without-threshold": (dict(qk_logits_fn="some.module:fn"), "qk_clip_threshold is None"),
+        "logits-without-threshold": (dict(qk_logits_fn="some.module:fn"), "qk_logits_fn is set but qk_clip_threshold"),
+        "record-without-threshold": (dict(record_max_logits_every=1), "record_max_logits_every is set but qk_clip"),
+        "record-every": (dict(qk_clip_threshold=100.0, record_max_logits_every=0), "record_max_logits_every must be"),
+        "two-logit-sources": (dict(qk_clip_threshold=100.0, record_max_logits_every=1, qk_logits_fn="a.b:c"),
+                              "qk_logits_fn and record_max_logits_every are both set"),
+        "orthogonalization": (dict(fused_qkv_orthogonalization="rows"), "fused_qkv_orthogonalization must be one of"),
         "optimizer-name": (dict(param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="DistMuon")]),
                            "use 'Muon' for matrices or 'AdamW'"),
         "kwargs": (dict(param_groups=[ParamGroupConfig(pattern="wq", optimizer_name="Muon",
@@ -478,44 +615,39 @@ def test_bad_configs_are_refused_clearly():
                       "matched no parameter"),
         "unclaimed": (dict(param_groups=[ParamGroupConfig(pattern="wq", optimizer_name="Muon")]),
                       "no param group pattern matches"),
-        "head_dim": (dict(qk_clip_threshold=100.0, qk_clip_head_dim=None, param_groups=[
-            ParamGroupConfig(pattern="norm|embed|lm_head", optimizer_name="AdamW"),
-            ParamGroupConfig(pattern=".*", optimizer_name="Muon")], qk_clip_q_patterns=("nope",)),
-                     "no Muon-group parameter is a query weight"),
-        "q-without-k": (dict(qk_clip_threshold=100.0, qk_clip_k_patterns=("nope",)),
-                        "no key weight in layers [0, 1]"),
+        "no-q-k-weights": (dict(qk_clip_threshold=100.0, qk_clip_q_patterns=("nope",), qk_clip_k_patterns=("nix",)),
+                           "no Muon-group parameter is a query or key weight"),
+        "k-without-q": (dict(qk_clip_threshold=100.0, qk_clip_q_patterns=("nope",)), "but no query weight was"),
+        "q-without-k": (dict(qk_clip_threshold=100.0, qk_clip_k_patterns=("nope",)), "but no key weight was"),
+        "q-in-adamw": (dict(qk_clip_threshold=100.0, param_groups=[
+            ParamGroupConfig(pattern=ADAMW_PATTERN + "|wq", optimizer_name="AdamW"),
+            ParamGroupConfig(pattern=".*", optimizer_name="Muon")]), "sits in an AdamW group"),
+        "mla-head-dim": (dict(qk_clip_threshold=100.0, qk_clip_head_dim=16), "qk_clip_head_dim is set, but the model"),
     }
-    messages = run_ranks(_bad_config_messages, 1, {k: v[0] for k, v in cases.items()}, timeout=120)[0]
-    for name, (_, expected) in cases.items():
-        assert messages[name] is not None and expected in messages[name], (name, messages[name])
+    for name, (config_kw, expected) in cases.items():
+        message = _refusal(lambda: container_config(**config_kw), "deepseek_v3" if name.startswith("mla") else "llama3")
+        assert message is not None and expected in message, (name, message)
 
 
-def _fused_qkv_rank(rank, world):
-    from torchtitan.models.llama3 import _build_llama3_layers
+def test_missing_logits_source_and_unsupported_attention_are_refused():
+    """QK-clip with recording on but no recorder installed fails the step saying how to install it; the
+    recorder refuses attention it cannot reproduce (varlen attention; a FlexAttention score_mod is
+    refused when seen, in the flex test)."""
+    from torchtitan.models.common.attention import VarlenAttention
 
-    original = titan_fixture.tiny_llama3
-
-    def fused():
-        cfg = original()
-        layers = _build_llama3_layers(
-            n_layers=titan_fixture.LAYERS, dim=titan_fixture.DIM, n_heads=titan_fixture.HEADS,
-            n_kv_heads=titan_fixture.KV_HEADS, hidden_dim=2 * titan_fixture.DIM, fuse_qkv=True,
-            rope=cfg.layers[0].attention.rope, attn_backend="flex")
-        cfg.layers = titan_fixture._eager_attention(layers)
-        return cfg
-
-    titan_fixture.MODELS["llama3_fused"] = (fused, titan_fixture.MODELS["llama3"][1])
-    parallel, _, _ = titan_fixture.build("llama3_fused", world, data_parallel_shard_degree=1)
-    assert any("wqkv" in n for n, _ in parallel.named_parameters())
-    try:
-        container_config(qk_clip_threshold=100.0).build(model_parts=[parallel])
-    except ValueError as err:
-        return str(err)
-
-
-def test_qk_clip_refuses_fused_qkv():
-    msg = run_ranks(_fused_qkv_rank, 1, timeout=120)[0]
-    assert msg is not None and "fuse_qkv=False" in msg, msg
+    model = titan_fixture.plain_model("llama3_fused")
+    opts = container_config(qk_clip_threshold=100.0, record_max_logits_every=1).build(model_parts=[model])
+    titan_fixture.forward_backward(model, 0)
+    with pytest.raises(RuntimeError, match="install_max_logit_recorder"):
+        opts.step()
+    with pytest.raises(ValueError, match="every must be a positive int"):
+        MaxLogitRecorder([model], every=0)
+    with pytest.raises(ValueError, match="no torchtitan attention module .* for layers \\[7\\]"):
+        MaxLogitRecorder([model], layers=[7])
+    model.layers["1"].attention.inner_attention = VarlenAttention(VarlenAttention.Config())
+    with pytest.raises(ValueError, match="'layers.1.attention.inner_attention' is VarlenAttention"):
+        MaxLogitRecorder([model])
+    assert not model.layers["0"].attention.inner_attention._forward_pre_hooks  # nothing left behind
 
 
 def _hidden_shard_rank(rank, world):
@@ -599,37 +731,59 @@ def test_dist_muon_layouts_and_cpu_refusal():
 
 # ------------------------------------------------------------- the documented config module
 
-EXAMPLE_CONFIGS = ["llama3_debugmodel_muon", "llama3_8b_muon", "qwen3_moe_debug_muon", "qwen3_debugmodel_muonclip"]
+EXAMPLE_CONFIGS = ["llama3_debugmodel_muon", "llama3_8b_muon", "qwen3_moe_debug_muon", "llama3_debugmodel_muonclip",
+                   "deepseek_v3_debugmodel_muonclip"]
 
 
 def _example_rank(rank, world):
-    """Parse the example configs with torchtitan's ConfigManager (CLI overrides included), then
-    build their optimizer on a tiny model as the trainer does (config.optimizer.build)."""
+    """Parse the example configs with torchtitan's ConfigManager (CLI overrides included), then do
+    what the trainer does with them on tiny models: config.optimizer.build(model_parts=...), then
+    model_spec.post_optimizer_build_fn(optimizers, model_parts, parallel_dims), then train a step."""
     from torchtitan.config import ConfigManager
+
+    def parse(name, *overrides):
+        return ConfigManager().parse_args(["--module", "examples.torchtitan_muon", "--config", name, *overrides])
 
     parsed = {}
     for name in EXAMPLE_CONFIGS:
-        cfg = ConfigManager().parse_args(
-            ["--module", "examples.torchtitan_muon", "--config", name, "--optimizer.distributed_mode", "gather"])
+        cfg = parse(name, "--optimizer.distributed_mode", "gather")
         parsed[name] = (type(cfg.optimizer).__qualname__, cfg.optimizer.distributed_mode, cfg.optimizer.qk_clip_threshold,
-                        cfg.parallelism.spmd_backend, type(cfg.model_spec.model.layers[0].attention.qkv_linear).__qualname__)
+                        cfg.parallelism.spmd_backend, cfg.optimizer.record_max_logits_every)
         assert isinstance(cfg.optimizer, MuonOptimizersContainer.Config)
     parallel, _, _ = titan_fixture.build("llama3", world, data_parallel_shard_degree=1)
-    opts = ConfigManager().parse_args(
-        ["--module", "examples.torchtitan_muon", "--config", "llama3_debugmodel_muon"]).optimizer.build(
-        model_parts=[parallel])
+    opts = parse("llama3_debugmodel_muon").optimizer.build(model_parts=[parallel])
     groups = [(g["use_muon"], len(g["params"])) for g in opts.optimizers[0].param_groups]
-    return parsed, groups
+
+    reports = {}
+    for name, model in (("llama3_debugmodel_muonclip", "llama3_fused"), ("deepseek_v3_debugmodel_muonclip", "deepseek_v3")):
+        cfg = parse(name, "--optimizer.record_max_logits_every", "2")
+        parallel, _, dims = titan_fixture.build(model, world, data_parallel_shard_degree=1)
+        opts = cfg.optimizer.build(model_parts=[parallel])
+        cfg.model_spec.post_optimizer_build_fn(opts, [parallel], dims)
+        pre_hooks = len(opts._optimizer_step_pre_hooks)  # deepseek_v3's MoE load balancing hook, chained
+        clipped = []
+        for step in range(2):
+            titan_fixture.forward_backward(parallel, step, dims)
+            opts.step()
+            opts.zero_grad()
+            report = opts.optimizers[0].qk_clip_report
+            clipped.append(None if report is None else sorted(report.max_logit, key=str))
+        reports[name] = (clipped, pre_hooks, type(opts._qk_logits_fn).__name__)
+    return parsed, groups, reports
 
 
 def test_example_configs_parse_and_build():
-    parsed, groups = run_ranks(_example_rank, 1, timeout=120)[0]
-    for name, (kind, mode, threshold, backend, _) in parsed.items():
+    parsed, groups, reports = run_ranks(_example_rank, 1, timeout=120)[0]
+    for name, (kind, mode, threshold, backend, every) in parsed.items():
         assert (kind, mode, backend) == ("MuonOptimizersContainer.Config", "gather", "partial_dtensor"), parsed[name]
-    assert parsed["qwen3_debugmodel_muonclip"][2] == 100.0
-    assert parsed["qwen3_debugmodel_muonclip"][4] == "QKVLinear.Config"  # separate q/k weights, as QK-clip needs
+        assert (threshold, every) == ((100.0, 1) if name.endswith("muonclip") else (None, None)), parsed[name]
     n_layers = titan_fixture.LAYERS
     assert groups == [(False, 3 + 2 * n_layers), (True, 7 * n_layers)]  # emb, head, norms / q k v o w1 w2 w3
+    # the trainer's post_optimizer_build_fn installs the recorder; with --optimizer.record_max_logits_every 2
+    # the first step clips from recorded logits and the second does not clip
+    assert reports["llama3_debugmodel_muonclip"] == ([[0, 1], None], 0, "MaxLogitRecorder")
+    clipped, pre_hooks, source = reports["deepseek_v3_debugmodel_muonclip"]
+    assert clipped == [[0, 1, "mtp_layers.0"], None] and pre_hooks == 1 and source == "MaxLogitRecorder"
 
 
 def test_each_model_part_clips_only_its_own_layers():

@@ -182,14 +182,16 @@ def build(model: str, world_size: int, *, backend: str = "partial_dtensor", seed
     return parallel, full, dims
 
 
-def plain_model(model: str, weights: dict[str, torch.Tensor]) -> nn.Module:
-    """The same model on one device (no parallelism), holding copies of ``weights``: a reference to compare with."""
+def plain_model(model: str, weights: dict[str, torch.Tensor] | None = None, seed: int = 0) -> nn.Module:
+    """The model on one device (no parallelism), holding copies of ``weights`` (default: initialised with ``seed``)."""
     config = MODELS[model][0]()
     config.update_from_config(config=types.SimpleNamespace(parallelism=ParallelismConfig()))
+    torch.manual_seed(seed)
     plain = config.build()
     with torch.no_grad():
         plain.init_weights(buffer_device=torch.device("cpu"))
-        load_full_weights(plain, weights)
+        if weights is not None:
+            load_full_weights(plain, weights)
     return plain
 
 

@@ -678,6 +678,7 @@ class MaxLogitRecorder:
         self._local_heads: dict = {}  # layer -> query heads on this rank (to fill a layer that did not run)
         self._device: dict = {}
         self._hooks: list = []
+        inners = []  # everything is checked before the first hook is registered
         for part in model_parts:
             for name, m in part.named_modules():
                 if not isinstance(m, BaseAttention):
@@ -704,17 +705,18 @@ class MaxLogitRecorder:
                                      f"tensor-parallel degree {self._tp}")
                 self._local_heads[layer] = m.n_heads // self._tp
                 param = next(m.parameters(), None)
-                self._device[layer] = (param.to_local() if is_dtensor(param) else param).device if param is not None \
-                    else torch.device("cpu")
-                self._hooks.append(inner.register_forward_pre_hook(
-                    functools.partial(self._hook, layer, fqn), with_kwargs=True))
+                self._device[layer] = torch.device("cpu") if param is None else \
+                    (param.to_local() if is_dtensor(param) else param).device
+                inners.append((layer, fqn, inner))
         missing = sorted(wanted - set(self._local_heads), key=repr) if wanted is not None else []
         if missing or not self._local_heads:
-            self.remove()
             raise ValueError(
                 f"MaxLogitRecorder: no torchtitan attention module (BaseAttention with an inner_attention) for layers "
                 f"{missing or '(any)'} in the model parts; their logits cannot be recorded."
             )
+        for layer, fqn, inner in inners:
+            self._hooks.append(inner.register_forward_pre_hook(
+                functools.partial(self._hook, layer, fqn), with_kwargs=True))
         self.layers = sorted(self._local_heads, key=layer_sort_key)
         self._step = 0
         self._local: dict = {}
