@@ -584,10 +584,10 @@ def test_default_presets_fit_torchtitan_models(make):
         assert any(params[n].ndim == 3 for n in set(params) - adamw)  # expert stacks go to Muon
 
 
-def _refusal(make, model: str = "llama3"):
-    """The ValueError message of building the container (``make(model) -> Config``) on a plain model, or None."""
+def _refusal(make, model: str | nn.Module = "llama3"):
+    """The ValueError message of building the container (``make() -> Config``) on a plain model, or None."""
     try:
-        make().build(model_parts=[titan_fixture.plain_model(model)])
+        make().build(model_parts=[titan_fixture.plain_model(model) if isinstance(model, str) else model])
     except ValueError as err:
         return str(err)
     return None
@@ -606,6 +606,7 @@ def test_bad_configs_are_refused_clearly():
         "two-logit-sources": (dict(qk_clip_threshold=100.0, record_max_logits_every=1, qk_logits_fn="a.b:c"),
                               "qk_logits_fn and record_max_logits_every are both set"),
         "orthogonalization": (dict(fused_qkv_orthogonalization="rows"), "fused_qkv_orthogonalization must be one of"),
+        "record-dtype": (dict(record_max_logits_dtype="fp8"), "record_max_logits_dtype must be"),
         "optimizer-name": (dict(param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="DistMuon")]),
                            "use 'Muon' for matrices or 'AdamW'"),
         "kwargs": (dict(param_groups=[ParamGroupConfig(pattern="wq", optimizer_name="Muon",
@@ -630,10 +631,20 @@ def test_bad_configs_are_refused_clearly():
 
 
 def test_missing_logits_source_and_unsupported_attention_are_refused():
-    """QK-clip with recording on but no recorder installed fails the step saying how to install it; the
-    recorder refuses attention it cannot reproduce (varlen attention; a FlexAttention score_mod is
-    refused when seen, in the flex test)."""
+    """QK-clip with recording on but no recorder installed fails the step saying how to install it; a
+    fused wqkv of another class than torchtitan's FusedQKVLinear (row order unknown) is refused for
+    QK-clip and split orthogonalisation, not guessed; the recorder refuses attention it cannot
+    reproduce (varlen attention; a FlexAttention score_mod is refused when seen, in the flex test)."""
     from torchtitan.models.common.attention import VarlenAttention
+
+    model = titan_fixture.plain_model("llama3_fused")
+    other = nn.Module()
+    other.wqkv = model.layers["0"].attention.qkv_linear.wqkv
+    model.layers["0"].attention.qkv_linear = other  # only the container is built: no forward
+    assert "(or set it to 'whole')" in _refusal(lambda: container_config(), model)
+    assert "QK-clip needs the row order" in _refusal(
+        lambda: container_config(fused_qkv_orthogonalization="whole", qk_clip_threshold=100.0), model)
+    assert _refusal(lambda: container_config(fused_qkv_orthogonalization="whole"), model) is None
 
     model = titan_fixture.plain_model("llama3_fused")
     opts = container_config(qk_clip_threshold=100.0, record_max_logits_every=1).build(model_parts=[model])
@@ -754,10 +765,16 @@ def _example_rank(rank, world):
     opts = parse("llama3_debugmodel_muon").optimizer.build(model_parts=[parallel])
     groups = [(g["use_muon"], len(g["params"])) for g in opts.optimizers[0].param_groups]
 
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    titan_fixture.use_cpu()
+    dims = ParallelDims.from_config(ParallelismConfig(), world)
     reports = {}
     for name, model in (("llama3_debugmodel_muonclip", "llama3_fused"), ("deepseek_v3_debugmodel_muonclip", "deepseek_v3")):
-        cfg = parse(name, "--optimizer.record_max_logits_every", "2")
-        parallel, _, dims = titan_fixture.build(model, world, data_parallel_shard_degree=1)
+        dtype = "bfloat16" if model == "llama3_fused" else "float32"
+        cfg = parse(name, "--optimizer.record_max_logits_every", "2", "--optimizer.record_max_logits_dtype", dtype)
+        parallel = titan_fixture.plain_model(model)
         opts = cfg.optimizer.build(model_parts=[parallel])
         cfg.model_spec.post_optimizer_build_fn(opts, [parallel], dims)
         pre_hooks = len(opts._optimizer_step_pre_hooks)  # deepseek_v3's MoE load balancing hook, chained
@@ -768,7 +785,7 @@ def _example_rank(rank, world):
             opts.zero_grad()
             report = opts.optimizers[0].qk_clip_report
             clipped.append(None if report is None else sorted(report.max_logit, key=str))
-        reports[name] = (clipped, pre_hooks, type(opts._qk_logits_fn).__name__)
+        reports[name] = (clipped, pre_hooks, type(opts._qk_logits_fn).__name__, str(opts._qk_logits_fn.compute_dtype))
     return parsed, groups, reports
 
 
@@ -781,9 +798,10 @@ def test_example_configs_parse_and_build():
     assert groups == [(False, 3 + 2 * n_layers), (True, 7 * n_layers)]  # emb, head, norms / q k v o w1 w2 w3
     # the trainer's post_optimizer_build_fn installs the recorder; with --optimizer.record_max_logits_every 2
     # the first step clips from recorded logits and the second does not clip
-    assert reports["llama3_debugmodel_muonclip"] == ([[0, 1], None], 0, "MaxLogitRecorder")
-    clipped, pre_hooks, source = reports["deepseek_v3_debugmodel_muonclip"]
-    assert clipped == [[0, 1, "mtp_layers.0"], None] and pre_hooks == 1 and source == "MaxLogitRecorder"
+    assert reports["llama3_debugmodel_muonclip"] == ([[0, 1], None], 0, "MaxLogitRecorder", "torch.bfloat16")
+    clipped, pre_hooks, source, dtype = reports["deepseek_v3_debugmodel_muonclip"]
+    assert clipped == [[0, 1, "mtp_layers.0"], None] and pre_hooks == 1 and (source, dtype) == (
+        "MaxLogitRecorder", "torch.float32")
 
 
 def test_each_model_part_clips_only_its_own_layers():

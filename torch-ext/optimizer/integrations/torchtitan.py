@@ -218,11 +218,11 @@ def layer_key(fqn: str) -> LayerKey | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _TorchtitanQKRoles:
     """``QKClipConfig.classify`` for torchtitan FQNs: roles by the name patterns, layers by :func:`layer_key`.
 
-    A frozen dataclass rather than a closure: it compares equal across rebuilds and has a readable repr.
+    A module-level class rather than a closure: picklable, with a readable repr.
     """
 
     patterns: QKClipConfig
@@ -238,7 +238,8 @@ class AttentionLayout:
 
     ``kind`` is ``"separate"`` (``wq``/``wk``, ``head_dim`` rows per head), ``"fused"``
     (``FusedQKVLinear.wqkv``: ``fused`` holds its :class:`~optimizer.attention_layouts.FusedQKV`
-    with torchtitan's ``"grouped"`` layout) or ``"mla"`` (deepseek_v3 ``Attention``: ``mla``).
+    with torchtitan's ``"grouped"`` layout; None for another projection class with a ``wqkv``,
+    whose row order is unknown) or ``"mla"`` (deepseek_v3 ``Attention``: ``mla``).
     ``fused_weight`` is the FQN of the fused weight (canonical, as param groups name it).
     """
 
@@ -264,8 +265,8 @@ def attention_layouts(model_parts: Sequence[nn.Module]) -> list[AttentionLayout]
     n_heads // n_kv_heads + 2, head_dim]`` and splits the second-last dimension into the group's
     query heads, its key head and its value head: the ``"grouped"`` layout of
     :class:`~optimizer.attention_layouts.FusedQKV` (tests check it against that module's forward).
-    An attention module of a kind not listed in :class:`AttentionLayout` (e.g. another fused
-    projection class with a ``wqkv``) is an error rather than a guess.
+    Another projection class with a ``wqkv`` gets ``fused=None``: QK-clip and split
+    orthogonalisation refuse it rather than guess its row order.
     """
     found = []
     for part in model_parts:
@@ -281,15 +282,10 @@ def attention_layouts(model_parts: Sequence[nn.Module]) -> list[AttentionLayout]
                 continue
             qkv = getattr(m, "qkv_linear", None)
             if qkv is not None and hasattr(qkv, "wqkv"):
-                if not isinstance(qkv, FusedQKVLinear):
-                    raise ValueError(
-                        f"'{fqn}.qkv_linear' ({type(qkv).__name__}) has a fused `wqkv` whose row layout is not "
-                        "known here (torchtitan's FusedQKVLinear is 'grouped'); pass QK-clip a qk_clip config by "
-                        "hand (optimizer.Muon with QKClipConfig(fused_qkv=FusedQKV(..., layout=...)))."
-                    )
-                fused = FusedQKV(int(m.n_heads), int(m.n_kv_heads), int(m.head_dim), "grouped")
-                found.append(AttentionLayout(fqn, layer, "fused", fused.n_heads, fused.n_kv_heads, fused.head_dim,
-                                             fused=fused, fused_weight=f"{fqn}.qkv_linear.wqkv.weight"))
+                n_heads, n_kv, head_dim = int(m.n_heads), int(m.n_kv_heads), int(m.head_dim)
+                fused = FusedQKV(n_heads, n_kv, head_dim, "grouped") if isinstance(qkv, FusedQKVLinear) else None
+                found.append(AttentionLayout(fqn, layer, "fused", n_heads, n_kv, head_dim, fused=fused,
+                                             fused_weight=f"{fqn}.qkv_linear.wqkv.weight"))
                 continue
             head_dim = getattr(m, "head_dim", None)
             n_heads = getattr(m, "n_heads", None)
@@ -307,6 +303,16 @@ def _single(values: Iterable, what: str, hint: str):
             f"{distinct or 'nowhere'}, not one value; {hint}"
         )
     return distinct[0]
+
+
+def _check_known_fused(layouts: Sequence[AttentionLayout], need: str) -> None:
+    unknown = [a.fqn for a in layouts if a.kind == "fused" and a.fused is None]
+    if unknown:
+        raise ValueError(
+            f"MuonOptimizersContainer: {unknown[:3]} project q/k/v with a fused `wqkv` that is not torchtitan's "
+            f"FusedQKVLinear, whose row order ('grouped') is known here; {need}. Build optimizer.Muon with "
+            "QKClipConfig(fused_qkv=FusedQKV(..., layout=...)) and muon_row_blocks by hand for such a model."
+        )
 
 
 FUSED_QKV_ORTHOGONALIZATION = ("split", "per_head", "whole")
@@ -372,6 +378,10 @@ class MuonOptimizersContainer(OptimizersContainer):
         ParallelDims: install_max_logit_recorder (torchtitan's post_optimizer_build_fn, which
         enable_muonclip sets) attaches it."""
 
+        record_max_logits_dtype: str = "float32"
+        """dtype of the recorder's q.k matmul: "float32" (the max is not rounded) or "bfloat16"
+        (about as fast as the model's own bf16 matmuls; the max is rounded to bf16, ~0.4%)."""
+
     optimizers: list[Muon]
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
@@ -389,6 +399,7 @@ class MuonOptimizersContainer(OptimizersContainer):
         layouts = attention_layouts(model_parts)
         self.qk_clip_config = self._qk_clip_config(config, layouts)
         self.record_max_logits_every = config.record_max_logits_every
+        self.record_max_logits_dtype = _DTYPES[config.record_max_logits_dtype]
         self._qk_logits_fn: QKLogitsFn | None = None
         if config.qk_logits_fn is not None:
             self.set_qk_logits_fn(_resolve_callable(config.qk_logits_fn))
@@ -429,7 +440,7 @@ class MuonOptimizersContainer(OptimizersContainer):
 
     @property
     def qk_layers(self) -> set:
-        """Layer keys whose query weights this container clips (over all model parts)."""
+        """Layer keys of the query/key weights this container clips (over all model parts)."""
         return set().union(*self._qk_layers)
 
     # ------------------------------------------------------------------ building
@@ -456,6 +467,11 @@ class MuonOptimizersContainer(OptimizersContainer):
             raise ValueError(
                 f"MuonOptimizersContainer: record_max_logits_every must be a positive int (record every N-th "
                 f"step) or None, got {every!r}"
+            )
+        if config.record_max_logits_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                "MuonOptimizersContainer: record_max_logits_dtype must be 'float32' or 'bfloat16', got "
+                f"{config.record_max_logits_dtype!r}"
             )
         if config.qk_clip_threshold is None:
             for name in ("qk_logits_fn", "record_max_logits_every"):
@@ -493,6 +509,7 @@ class MuonOptimizersContainer(OptimizersContainer):
         else:
             fused = None
             if "fused" in kinds:
+                _check_known_fused(layouts, "QK-clip needs the row order of q and k")
                 fused = _single((a.fused for a in layouts if a.kind == "fused"), "fused wqkv layouts",
                                 "QK-clip needs one FusedQKV for every fused layer.")
             head_dim = config.qk_clip_head_dim
@@ -512,6 +529,8 @@ class MuonOptimizersContainer(OptimizersContainer):
         """``{fused weight FQN: row-block spec}`` for Muon's ``muon_row_blocks`` (empty for "whole")."""
         if mode == "whole":
             return {}
+        _check_known_fused(layouts, f"fused_qkv_orthogonalization={mode!r} needs the row order of q, k and v "
+                                    "(or set it to 'whole')")
         return {a.fused_weight: a.fused if mode == "split" else SplitQKV(a.fused, per_head=True)
                 for a in layouts if a.kind == "fused"}
 
@@ -630,10 +649,10 @@ class MaxLogitRecorder:
     collective per group for all layers).
 
     Cost: the hook recomputes ``q @ k^T`` — the first of attention's two matmuls, ``2 * B * H *
-    L^2 * D`` flops per layer, not memory-efficiently fused — in chunks of queries that hold at
-    most ``[B, H, chunk, L]`` scores (64 MiB by default), in ``compute_dtype`` (float32 by
-    default, so the max is not rounded to bf16: on GPUs fp32 matmuls are several times slower
-    than bf16 ones). ``every=N`` records only the forwards of every N-th step (the other steps
+    L^2 * D`` flops per layer, unfused and over every (query, key) pair, also those a causal mask
+    hides — in chunks of queries that hold at most ``[B, H, chunk, L]`` scores (64 MiB by
+    default), in ``compute_dtype`` (float32 by default, so the max is not rounded to bf16: on GPUs
+    fp32 matmuls are several times slower than bf16 ones). README "torchtitan" has a measurement. ``every=N`` records only the forwards of every N-th step (the other steps
     return None: Muon does not clip then). Not recorded: forwards without grad (validation) and
     activation-checkpointing recomputation during backward. Under ``torch.compile`` the hook
     runs eagerly (a graph break per attention module).
@@ -837,18 +856,21 @@ def install_max_logit_recorder(optimizers, model_parts: list[nn.Module], paralle
 
     The signature of torchtitan's ``ModelSpec.post_optimizer_build_fn`` (the trainer calls it with
     the container, the model parts and its ``ParallelDims`` right after building the optimizer);
-    :func:`enable_muonclip` sets it. Records every ``Config.record_max_logits_every`` steps, only
-    the layers the container clips.
+    :func:`enable_muonclip` sets it. Records every ``Config.record_max_logits_every`` steps in
+    ``Config.record_max_logits_dtype``, only the layers the container clips.
     """
     if not isinstance(optimizers, MuonOptimizersContainer):
-        raise TypeError(f"install_max_logit_recorder: expected a MuonOptimizersContainer, got {type(optimizers).__name__}")
+        raise TypeError(
+            f"install_max_logit_recorder: expected a MuonOptimizersContainer, got {type(optimizers).__name__}"
+        )
     if optimizers.qk_clip_config is None or optimizers.record_max_logits_every is None:
         raise ValueError(
             "install_max_logit_recorder: the container does not record max logits; set "
             "MuonOptimizersContainer.Config.qk_clip_threshold and record_max_logits_every (enable_muonclip does)."
         )
     recorder = MaxLogitRecorder.for_parallel_dims(
-        model_parts, parallel_dims, every=optimizers.record_max_logits_every, layers=optimizers.qk_layers)
+        model_parts, parallel_dims, every=optimizers.record_max_logits_every, layers=optimizers.qk_layers,
+        compute_dtype=optimizers.record_max_logits_dtype)
     optimizers.set_qk_logits_fn(recorder)
     return recorder
 
