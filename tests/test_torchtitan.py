@@ -56,14 +56,24 @@ def reference_for(opts: MuonOptimizersContainer, full: dict[str, torch.Tensor], 
     return params, Muon(groups, compute_dtype=torch.float32, qk_clip=qk_clip)
 
 
-def train_and_compare(rank, world, model, degrees, steps=2, backend="partial_dtensor", qk_logits=None, config_kw=None):
+def train_and_compare(rank, world, model, degrees, steps=2, backend="partial_dtensor", qk_logits=None, config_kw=None,
+                      record=False):
+    """Train ``steps`` steps and compare with single-device Muon; with ``record``, also return how far the
+    MaxLogitRecorder's step-0 logits are from those materialised on a single-device copy (relative)."""
     parallel, full, dims = titan_fixture.build(model, world, backend=backend, **degrees)
     opts = container_config(**(config_kw or {})).build(model_parts=[parallel])
     if qk_logits is not None:
         opts.set_qk_logits_fn(lambda parts: qk_logits)
     ref_params, ref = reference_for(opts, full, qk_clip=opts.qk_clip_config)
+    recorder = MaxLogitRecorder.for_parallel_dims([parallel], dims) if record else None
     for step in range(steps):
         titan_fixture.forward_backward(parallel, step, dims)
+        if recorder is not None:
+            got = recorder([parallel])
+            want = materialised_max_logits(titan_fixture.plain_model(model, full), [titan_fixture.batch_tokens(0)], None)
+            record = max(((got[k] - want[k]).abs() / want[k].abs()).max().item() for k in want)
+            recorder.remove()
+            recorder = None
         grads = {n: titan_fixture.full_tensor(p.grad) for n, p in parallel.named_parameters()}
         opts.step()
         opts.zero_grad()
@@ -75,11 +85,11 @@ def train_and_compare(rank, world, model, degrees, steps=2, backend="partial_dte
     moved = {n: (ref_params[n].detach() - full[n]).abs().max().item() for n in full}
     placements = {n: str(tuple(p.placements)) if hasattr(p, "placements") else "plain"
                   for n, p in parallel.named_parameters()}
-    return deviation, moved, placements
+    return (deviation, moved, placements, record) if record is not False else (deviation, moved, placements)
 
 
 def check(results, expect_placements=()):
-    deviation, moved, placements = results[0]
+    deviation, moved, placements = results[0][:3]
     worst = max(deviation, key=deviation.get)
     assert deviation[worst] <= TOL, f"'{worst}' ({placements[worst]}) is {deviation[worst]:.3g} off single-device Muon"
     assert min(moved.values()) > 1e-4, "some parameter did not move: the comparison would be vacuous"
@@ -114,7 +124,10 @@ def test_llama3_matches_single_device_muon(layout):
     (4, dict(data_parallel_shard_degree=2, tensor_parallel_degree=2)),
 ], ids=["tp", "fsdp_tp"])
 def test_llama3_full_dtensor_backend(world, degrees):
-    check(run_ranks(train_and_compare, world, "llama3", degrees, backend="full_dtensor", timeout=240))
+    """Also: the MaxLogitRecorder reads full_dtensor's query/key DTensors (batch Shard(0), heads Shard(2))."""
+    results = run_ranks(train_and_compare, world, "llama3", degrees, backend="full_dtensor", record=True, timeout=240)
+    check(results)
+    assert all(r[3] <= 1e-5 for r in results), [r[3] for r in results]
 
 
 def test_llama3_gather_mode():
