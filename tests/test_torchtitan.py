@@ -66,12 +66,13 @@ def train_and_compare(rank, world, model, degrees, steps=2, backend="partial_dte
         opts.set_qk_logits_fn(lambda parts: qk_logits)
     ref_params, ref = reference_for(opts, full, qk_clip=opts.qk_clip_config)
     recorder = MaxLogitRecorder.for_parallel_dims([parallel], dims) if record else None
+    record_error = None
     for step in range(steps):
         titan_fixture.forward_backward(parallel, step, dims)
         if recorder is not None:
             got = recorder([parallel])
             want = materialised_max_logits(titan_fixture.plain_model(model, full), [titan_fixture.batch_tokens(0)], None)
-            record = max(((got[k] - want[k]).abs() / want[k].abs()).max().item() for k in want)
+            record_error = max(((got[k] - want[k]).abs() / want[k].abs()).max().item() for k in want)
             recorder.remove()
             recorder = None
         grads = {n: titan_fixture.full_tensor(p.grad) for n, p in parallel.named_parameters()}
@@ -85,7 +86,7 @@ def train_and_compare(rank, world, model, degrees, steps=2, backend="partial_dte
     moved = {n: (ref_params[n].detach() - full[n]).abs().max().item() for n in full}
     placements = {n: str(tuple(p.placements)) if hasattr(p, "placements") else "plain"
                   for n, p in parallel.named_parameters()}
-    return (deviation, moved, placements, record) if record is not False else (deviation, moved, placements)
+    return (deviation, moved, placements, record_error) if record else (deviation, moved, placements)
 
 
 def check(results, expect_placements=()):
@@ -188,7 +189,8 @@ def materialised_max_logits(model: nn.Module, batches: list[torch.Tensor], expec
             if expected_scale is None:
                 assert scale is None, scale
                 scale = q.shape[-1] ** -0.5  # SDPA's default
-            assert scale == pytest.approx(expected_scale or scale, rel=1e-12), (scale, expected_scale)
+            else:
+                assert scale == pytest.approx(expected_scale, rel=1e-12), (scale, expected_scale)
             q, k = q.double().transpose(1, 2), k.double().transpose(1, 2)  # [B, H, L, D]
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             logits = scale * q @ k.transpose(-1, -2)
@@ -332,6 +334,7 @@ def test_qk_layouts_read_from_the_model_are_the_rows_torchtitan_computes_with():
     mla = container_config(qk_clip_threshold=100.0).build(model_parts=[model]).qk_clip_config.mla
     assert mla == MLAHeads(QK_NOPE, QK_ROPE, V_HEAD)
     attn, seen = model.layers["0"].attention, {}
+
     def grab(key):
         def hook(module, args):
             seen[key] = args[0] if key != "qkv" else args
