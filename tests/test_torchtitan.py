@@ -400,6 +400,21 @@ def test_recorder_keeps_the_steps_max_and_records_only_training_forwards():
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
+def test_recorder_under_torch_compile():
+    """torchtitan compiles each transformer block: the hook runs inside compiled blocks (eagerly,
+    torch.compiler.disable) and records the same logits (backend aot_eager: no C++ toolchain needed)."""
+    model = titan_fixture.plain_model("llama3_fused")
+    tokens = titan_fixture.batch_tokens(0)
+    want = materialised_max_logits(model, [tokens], None)
+    recorder = MaxLogitRecorder([model])
+    for name, block in model.layers.items():
+        model.layers[name] = torch.compile(block, backend="aot_eager")
+    model(tokens[:, :-1]).sum().backward()
+    got = recorder([model])
+    for layer in want:
+        torch.testing.assert_close(got[layer], want[layer], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
 def test_recorder_follows_flexattention_block_masks(monkeypatch):
     """torchtitan's language models use FlexAttention with its causal + packed-document BlockMask:
