@@ -655,10 +655,24 @@ def test_bad_configs_are_refused_clearly():
             ParamGroupConfig(pattern=ADAMW_PATTERN + "|wq", optimizer_name="AdamW"),
             ParamGroupConfig(pattern=".*", optimizer_name="Muon")]), "sits in an AdamW group"),
         "mla-head-dim": (dict(qk_clip_threshold=100.0, qk_clip_head_dim=16), "qk_clip_head_dim is set, but the model"),
+        "qk-norm": (dict(qk_clip_threshold=100.0), "undoes that scaling: QK-clip would change nothing"),
     }
+    models = {"mla-head-dim": "deepseek_v3", "qk-norm": "qwen3_moe"}  # qwen3 normalises q and k per head
     for name, (config_kw, expected) in cases.items():
-        message = _refusal(lambda: container_config(**config_kw), "deepseek_v3" if name.startswith("mla") else "llama3")
+        message = _refusal(lambda: container_config(**config_kw), models.get(name, "llama3"))
         assert message is not None and expected in message, (name, message)
+
+    # the premise of the "qk-norm" refusal: under qwen3's per-head q/k norms, halving wq and wk (a 4x smaller
+    # logit without norms) leaves the logits but for the norms' eps (noticeable only at this tiny init scale)
+    qwen, tokens, scale = titan_fixture.plain_model("qwen3_moe"), titan_fixture.batch_tokens(0), titan_fixture.HEAD_DIM ** -0.5
+    before = materialised_max_logits(qwen, [tokens], scale)
+    with torch.no_grad():
+        for block in qwen.layers.values():
+            block.attention.qkv_linear.wq.weight.mul_(0.5)
+            block.attention.qkv_linear.wk.weight.mul_(0.5)
+    after = materialised_max_logits(qwen, [tokens], scale)
+    for layer in before:
+        torch.testing.assert_close(after[layer], before[layer], rtol=2e-3, atol=0)
 
 
 def test_missing_logits_source_and_unsupported_attention_are_refused():

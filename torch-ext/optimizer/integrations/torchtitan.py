@@ -241,6 +241,8 @@ class AttentionLayout:
     with torchtitan's ``"grouped"`` layout; None for another projection class with a ``wqkv``,
     whose row order is unknown) or ``"mla"`` (deepseek_v3 ``Attention``: ``mla``).
     ``fused_weight`` is the FQN of the fused weight (canonical, as param groups name it).
+    ``qk_norm``: q and k are RMS-normalised per head after the projection (qwen3's
+    ``q_norm``/``k_norm``), which undoes any scaling of the projection rows.
     """
 
     fqn: str
@@ -252,6 +254,7 @@ class AttentionLayout:
     fused: FusedQKV | None = None
     fused_weight: str | None = None
     mla: MLAHeads | None = None
+    qk_norm: bool = False
 
 
 def attention_layouts(model_parts: Sequence[nn.Module]) -> list[AttentionLayout]:
@@ -280,18 +283,19 @@ def attention_layouts(model_parts: Sequence[nn.Module]) -> list[AttentionLayout]
                     fqn, layer, "mla", int(m.n_heads), int(m.n_heads),
                     mla=MLAHeads(int(m.qk_nope_head_dim), int(m.qk_rope_head_dim), int(m.v_head_dim))))
                 continue
+            qk_norm = getattr(m, "q_norm", None) is not None or getattr(m, "k_norm", None) is not None
             qkv = getattr(m, "qkv_linear", None)
             if qkv is not None and hasattr(qkv, "wqkv"):
                 n_heads, n_kv, head_dim = int(m.n_heads), int(m.n_kv_heads), int(m.head_dim)
                 fused = FusedQKV(n_heads, n_kv, head_dim, "grouped") if isinstance(qkv, FusedQKVLinear) else None
                 found.append(AttentionLayout(fqn, layer, "fused", n_heads, n_kv, head_dim, fused=fused,
-                                             fused_weight=f"{fqn}.qkv_linear.wqkv.weight"))
+                                             fused_weight=f"{fqn}.qkv_linear.wqkv.weight", qk_norm=qk_norm))
                 continue
             head_dim = getattr(m, "head_dim", None)
             n_heads = getattr(m, "n_heads", None)
             if isinstance(head_dim, int) and isinstance(n_heads, int):
                 n_kv = getattr(m, "n_kv_heads", None) or n_heads
-                found.append(AttentionLayout(fqn, layer, "separate", n_heads, int(n_kv), head_dim))
+                found.append(AttentionLayout(fqn, layer, "separate", n_heads, int(n_kv), head_dim, qk_norm=qk_norm))
     return found
 
 
@@ -490,6 +494,14 @@ class MuonOptimizersContainer(OptimizersContainer):
     def _qk_clip_config(config: Config, layouts: Sequence[AttentionLayout]) -> QKClipConfig | None:
         if config.qk_clip_threshold is None:
             return None
+        normed = [a.fqn for a in layouts if a.qk_norm]
+        if normed:
+            raise ValueError(
+                f"MuonOptimizersContainer: QK-clip scales the rows of the query/key projections, but {normed[:3]}"
+                f"{' ...' if len(normed) > 3 else ''} RMS-normalise q and k per head after them (q_norm/k_norm, "
+                "as qwen3 does), which undoes that scaling: QK-clip would change nothing. QK-norm bounds the "
+                "logits itself; leave qk_clip_threshold unset for this model."
+            )
         kinds = {a.kind for a in layouts}
         patterns = dict(q_patterns=config.qk_clip_q_patterns, k_patterns=config.qk_clip_k_patterns)
         if "mla" in kinds:
