@@ -72,7 +72,8 @@ from optimizer.newton_schulz import (  # noqa: E402
     zeropower_via_newtonschulz,
 )
 
-DEFAULT_SHAPES = ("512x512,1024x512,768x768,1024x1024,1024x1536,1024x4096,4096x1024,512x4096,512x2048,"
+DEFAULT_SHAPES = ("4x64,32x128,64x128,48x192,64x256,"  # small: the Gram form's extra kernels decide
+                  "512x512,1024x512,768x768,1024x1024,1024x1536,1024x4096,4096x1024,512x4096,512x2048,"
                   "768x3072,4x256x1024,8x512x2048,8x1024x512")
 FORMS = ("classic", "gram", "auto")
 

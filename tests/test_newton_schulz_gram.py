@@ -26,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import optimizer.newton_schulz as ns_module
 from optimizer.muon_math import adjust_lr, apply_update_, muon_momentum_
 from optimizer.newton_schulz import (
+    GRAM_MIN_SAVED_FLOPS,
     NS_NORM_SAFETY,
     check_ns_method,
     choose_ns_method,
@@ -301,24 +302,29 @@ def test_flop_ratios_of_the_issue_shapes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("name", ["fixed", "polar_express"])
 @pytest.mark.parametrize("steps", [1, 2, 5, 10])
-def test_auto_is_gram_exactly_where_it_saves_flops(dtype, name, steps):
-    """Closed form: a segment of L >= 2 steps saves 2 (L - 1) s^2 (2 l - 3 s) FLOPs, so gram is
-    cheaper iff l > 1.5 s and some segment has 2+ steps (never in bf16 for <= 5 steps)."""
-    multi = any(length >= 2 for length in gram_restart_plan(name, steps, dtype))
+def test_auto_is_gram_exactly_where_it_saves_enough_flops(dtype, name, steps):
+    """Closed form: a segment of L >= 2 steps saves 2 (L - 1) s^2 (2 l - 3 s) FLOPs per matrix, so
+    gram is cheaper iff l > 1.5 s and some segment has 2+ steps (never in bf16 for <= 5 steps);
+    auto takes it when the saving reaches GRAM_MIN_SAVED_FLOPS (small matrices stay classic)."""
+    plan = gram_restart_plan(name, steps, dtype)
+    multi = any(length >= 2 for length in plan)
     if dtype == torch.bfloat16 and steps <= 5:
         assert not multi
     for s in (1, 8, 64, 96, 1000):
         for l in {s, s + 1, (3 * s) // 2, (3 * s) // 2 + 1, 2 * s, 8 * s}:
             for shape in [(s, l), (l, s), (4, s, l)]:
-                want = "gram" if (2 * l > 3 * s and multi) else "classic"
+                batch = shape[0] if len(shape) == 3 else 1
+                saved = batch * sum(2 * (length - 1) * s * s * (2 * l - 3 * s) for length in plan)
+                want = "gram" if saved >= GRAM_MIN_SAVED_FLOPS else "classic"
                 assert choose_ns_method(shape, steps, "auto", dtype, name) == want, (shape, steps)
                 flops = {m: newton_schulz_flops(shape, steps, m, dtype, name) for m in ("classic", "gram")}
-                assert (flops["gram"] < flops["classic"]) == (2 * l > 3 * s and multi)
+                assert flops["classic"] - flops["gram"] == saved, (shape, steps)
 
 
 def test_auto_runs_the_chosen_form():
-    for shape, dtype, form in [((24, 96), torch.float32, "gram"), ((96, 24), torch.float32, "gram"),
-                               ((48, 64), torch.float32, "classic"), ((24, 96), torch.bfloat16, "classic")]:
+    for shape, dtype, form in [((64, 256), torch.float32, "gram"), ((256, 64), torch.float32, "gram"),
+                               ((24, 96), torch.float32, "classic"),  # saves too little to pay for its kernels
+                               ((48, 64), torch.float32, "classic"), ((64, 256), torch.bfloat16, "classic")]:
         G = torch.randn(shape)
         with FlopCounterMode(display=False) as counter:
             out = zeropower_via_newtonschulz(G, 5, compute_dtype=dtype)
