@@ -166,15 +166,44 @@ def test_torch_muon_stand_in_is_torchs_own_in_bf16():
 
 
 def test_ns_efficiency_runs_and_symmetric_prototype_matches(tmp_path):
+    from optimizer.newton_schulz import choose_ns_method, newton_schulz_flops
+
     ns = _load("ns_efficiency")
-    result = ns.main(["--shapes", "48x32,2x16x24", "--repeats", "1", "--sym-min-block", "4",
+    result = ns.main(["--shapes", "48x32,2x16x24,24x96", "--repeats", "1", "--sym-min-block", "4",
                       "--out", str(tmp_path), "--tag", "smoke"])
     saved = json.loads((tmp_path / "ns_efficiency_smoke.json").read_text())
     assert saved == json.loads(json.dumps(result))
-    assert "| 48x32 |" in (tmp_path / "ns_efficiency_smoke.md").read_text()
+    md = (tmp_path / "ns_efficiency_smoke.md").read_text()
+    assert "| 48x32 |" in md and "| 24x96 |" in md
     for row in saved["shapes"]:
         assert row["efficiency"] > 0 and row["gflop"] > 0
         assert row["symmetric_max_abs_diff"] < 1e-4
+        shape = tuple(row["shape"])
+        assert row["chosen"] == choose_ns_method(shape, 5, "auto", torch.float32)
+        assert set(row["median_s"]) == {"classic", "gram", "auto", "mm", "symmetric"}
+        assert row["gflop_of"]["gram"] == pytest.approx(newton_schulz_flops(shape, 5, "gram") / 1e9)
+        assert row["speedup"]["classic"] == pytest.approx(1.0)
+        assert row["gram_rel_diff"] < 1e-4  # the two forms compute the same polynomial
+    assert [r["chosen"] for r in saved["shapes"]] == ["classic", "classic", "gram"]
+    # a line per target; shapes not run are reported as such, never as met
+    assert len(saved["targets"]) == len(ns.SPEEDUP_TARGETS) + 1
+    assert [v["status"] for v in saved["targets"][:-1]] == ["not measured"] * len(ns.SPEEDUP_TARGETS)
+    assert saved["targets"][-1]["status"] in ("met", "not met")
+    assert "## Targets" in md and "not measured" in md
+
+
+def test_ns_efficiency_judges_targets_from_minima():
+    ns = _load("ns_efficiency")
+
+    def row(shape, auto):
+        return dict(shape=list(shape), speedup_of_minima={"auto": auto}, speedup={"auto": auto})
+
+    verdicts = ns.judge_targets([row((1024, 4096), 1.4), row((8, 512, 2048), 1.3), row((512, 4096), 1.9),
+                                 row((1024, 1024), 0.96)])
+    assert [v["status"] for v in verdicts] == ["met", "not met", "met", "met"]
+    verdicts = ns.judge_targets([row((1024, 4096), 1.4), row((64, 64), 0.94)])
+    assert [v["status"] for v in verdicts] == ["met", "not measured", "not measured", "not met"]
+    assert "64x64" in verdicts[-1]["measured"]
 
 
 def test_symmetric_gram_is_x_xt():

@@ -3,12 +3,14 @@
 Part 1 composes our pure pieces (muon_momentum_, zeropower_via_newtonschulz, adjust_lr,
 apply_update_) the way an optimizer step does. Part 2 runs ``optimizer.Muon`` itself.
 
-Tolerances. torch.optim.Muon orthogonalises in bf16. With ``compute_dtype=torch.bfloat16`` our
-NS runs the same operations in the same order (normalise, X X^T, addmm, addmm), so the
-parameters agree to float32 rounding of the update (atol 1e-6; bit-identical here). In fp32
-(our CPU default) the difference is torch's bf16 error: 8 mantissa bits through 5 iterations
-leave entries of the orthogonalised update (size ~1/sqrt(n) ~ 0.1) off by up to ~1e-2, so after
-k steps the parameters may differ by k * adjusted_lr * NS_ERR, and by ~1% of the total change.
+Tolerances. torch.optim.Muon orthogonalises in bf16, dividing by the Frobenius norm rounded to
+bf16 (up to 0.4% off); ours divides by the fp32 norm (issue 10), so even with
+``compute_dtype=torch.bfloat16`` the two differ by bf16 noise, not float32 rounding (the same
+iteration from an already normalised input is bit-identical: tests/test_newton_schulz.py). In
+fp32 (our CPU default) the difference is torch's bf16 error. Either way 8 mantissa bits through 5
+iterations leave entries of the orthogonalised update (size ~1/sqrt(n) ~ 0.1) off by up to
+~1e-2, so after k steps the parameters may differ by k * adjusted_lr * NS_ERR, and by ~1% of
+the total change.  The AdamW path is torch's functional AdamW: float32 rounding (atol 1e-6).
 """
 
 import pytest
@@ -74,22 +76,21 @@ def fp32_tolerance(hp, shape, steps=STEPS):
 def test_composed_pieces_match_torch_muon(hp):
     ref = run_torch_muon(hp)
     init = initial_params()
-    ours_bf16 = run_composed(hp, torch.bfloat16)
-    for p, r in zip(ours_bf16, ref):
-        torch.testing.assert_close(p, r, atol=1e-6, rtol=0)
-    ours_fp32 = run_composed(hp, torch.float32)
-    for p, r, p0 in zip(ours_fp32, ref, init):
-        assert (p - r).abs().max() <= fp32_tolerance(hp, p.shape)
-        assert (p - r).norm() <= REL_ERR * (r - p0).norm()  # same trajectory up to bf16 noise
+    for dtype in (torch.bfloat16, torch.float32):
+        ours = run_composed(hp, dtype)
+        for p, r, p0 in zip(ours, ref, init):
+            assert (p - r).abs().max() <= fp32_tolerance(hp, p.shape), dtype
+            assert (p - r).norm() <= REL_ERR * (r - p0).norm(), dtype  # same trajectory up to bf16 noise
 
 
 def test_composed_pieces_would_notice_a_wrong_setting():
     """The comparison above is sharp enough to tell the settings apart."""
     hp = CASES[0]
     ref = run_torch_muon(hp)
+    init = initial_params()
     for wrong in (dict(hp, nesterov=False), dict(hp, adjust_lr="original"), dict(hp, weight_decay=0.0)):
         ours = run_composed(wrong, torch.bfloat16)
-        assert max((p - r).abs().max().item() for p, r in zip(ours, ref)) > 1e-4
+        assert any((p - r).norm() > REL_ERR * (r - p0).norm() for p, r, p0 in zip(ours, ref, init)), wrong
 
 
 # ------------------------------------------------------------------------- optimizer.Muon
@@ -149,8 +150,7 @@ def test_optimizer_muon_matches_torch(hp, compute_dtype):
     assert muon_names == {"a.weight", "b.weight"}
     for name, p in net.named_parameters():
         r = ref[name].detach()
-        if name not in muon_names or compute_dtype is torch.bfloat16:
-            # AdamW path and bf16 NS: the same operations as torch
+        if name not in muon_names:  # the AdamW path: torch's own functional AdamW
             torch.testing.assert_close(p.detach(), r, atol=1e-6, rtol=0, msg=name)
         else:
             assert (p - r).abs().max() <= fp32_tolerance(hp, p.shape), name

@@ -15,16 +15,15 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from optimizer.newton_schulz import zeropower_via_newtonschulz
-from optimizer.owners import (
-    assign_owners,
-    assign_owners_among,
-    chunked_critical_path,
-    assign_units,
-    chunk_order,
-    load_imbalance,
-    plan_units,
-    rank_loads,
-)
+from optimizer.owners import assign_owners, assign_owners_among, chunk_order, chunked_critical_path
+
+
+def rank_loads(owners, costs, num_ranks):
+    """Total cost owned by each rank (written out here, independent of the code under test)."""
+    loads = [0] * num_ranks
+    for rank, cost in zip(owners, costs):
+        loads[rank] += cost
+    return loads
 
 
 def _optimal_makespan(costs, num_ranks):
@@ -133,14 +132,6 @@ def test_more_ranks_than_items_puts_one_item_per_rank():
     assert assign_owners([4, 9, 1], 8) == [1, 0, 2]
 
 
-def test_load_imbalance_uses_mean_or_largest_unit():
-    # Mean 5 per rank, busiest 6.
-    assert load_imbalance([0, 1, 0, 1], [3, 3, 3, 1], 2) == pytest.approx(6 / 5)
-    # One unit larger than the mean: the ideal is that unit, so 1.0 is the best possible.
-    assert load_imbalance([0, 1, 2], [10, 1, 1], 3) == pytest.approx(1.0)
-    assert load_imbalance([], [], 4) == 1.0
-
-
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -148,10 +139,6 @@ def test_load_imbalance_uses_mean_or_largest_unit():
         (lambda: assign_owners([1, 2], 2.0), "num_ranks"),
         (lambda: assign_owners([1, -2], 2), r"costs\[1\]"),
         (lambda: assign_owners([float("nan")], 2), r"costs\[0\]"),
-        (lambda: rank_loads([0, 5], [1, 1], 2), r"assignment\[1\]"),
-        (lambda: rank_loads([0], [1, 1], 2), "one owner per cost"),
-        (lambda: plan_units([(4, 4), (8,)], 2), r"shapes\[1\].*AdamW"),
-        (lambda: plan_units([(4, 4)], 2, ns_steps=0), "ns_steps"),
     ],
 )
 def test_bad_input_names_the_problem(call, match):
@@ -160,91 +147,6 @@ def test_bad_input_names_the_problem(call, match):
 
 
 # --- planning work units -----------------------------------------------------------
-
-
-def _counted_ns_flops(shape, ns_steps):
-    # FLOPs of the real Newton-Schulz matmuls, counted by torch.
-    G = torch.randn(shape)
-    with FlopCounterMode(display=False) as counter:
-        zeropower_via_newtonschulz(G, ns_steps=ns_steps)
-    return counter.get_total_flops()
-
-
-def _shape_of_unit(shape, unit):
-    if unit.expert_slice is None:
-        return tuple(shape)
-    return (len(range(shape[0])[unit.expert_slice]),) + tuple(shape[1:])
-
-
-def test_unit_costs_are_the_newton_schulz_flops_of_their_slice():
-    shapes = [(6, 3, 5), (5, 3), (4, 7, 2)]
-    units = plan_units(shapes, num_ranks=4, ns_steps=2, split_experts=True)
-    assert any(u.expert_slice is not None for u in units), "instance should split"
-    for u in units:
-        sub_shape = _shape_of_unit(shapes[u.param_index], u)
-        assert u.cost == _counted_ns_flops(sub_shape, ns_steps=2), (u, sub_shape)
-
-
-def _check_coverage(shapes, units):
-    assert sorted({u.param_index for u in units}) == list(range(len(shapes)))
-    for i, shape in enumerate(shapes):
-        mine = [u for u in units if u.param_index == i]
-        if len(mine) == 1 and mine[0].expert_slice is None:
-            continue
-        assert len(shape) >= 3, "only parameters with an expert dim may be split"
-        covered = []
-        for u in mine:
-            assert u.expert_slice is not None and u.expert_slice.step in (None, 1)
-            covered.extend(range(shape[0])[u.expert_slice])
-        # Every expert exactly once, and ranges in order (so contiguous).
-        assert covered == list(range(shape[0])), (shape, [u.expert_slice for u in mine])
-
-
-def test_splitting_covers_every_expert_exactly_once():
-    rng = random.Random(4)
-    for _ in range(40):
-        shapes = []
-        for _ in range(rng.randint(1, 6)):
-            m, n = rng.randint(1, 64), rng.randint(1, 64)
-            shapes.append((rng.randint(1, 40), m, n) if rng.random() < 0.5 else (m, n))
-        num_ranks = rng.choice([1, 2, 3, 8, 64, 1000])
-        for split in (False, True):
-            units = plan_units(shapes, num_ranks, ns_steps=5, split_experts=split)
-            _check_coverage(shapes, units)
-            # Splitting never changes the total work.
-            whole = plan_units(shapes, num_ranks, ns_steps=5, split_experts=False)
-            assert sum(u.cost for u in units) == sum(u.cost for u in whole)
-
-
-def test_without_splitting_one_unit_per_param_in_order():
-    shapes = [(8, 16, 32), (16, 32), (2, 3, 4, 5)]
-    units = plan_units(shapes, 64, split_experts=False)
-    assert [(u.param_index, u.expert_slice) for u in units] == [(0, None), (1, None), (2, None)]
-    assert assign_units(units, 64) == assign_owners([u.cost for u in units], 64)
-
-
-def test_splitting_rebalances_few_large_expert_params():
-    # Two MoE weights of 128 experts on 16 ranks: whole params leave 14 ranks idle.
-    shapes = [(128, 32, 48), (128, 48, 32), (32, 48)]
-    whole = plan_units(shapes, 16, split_experts=False)
-    split = plan_units(shapes, 16, split_experts=True)
-    costs_w = [u.cost for u in whole]
-    costs_s = [u.cost for u in split]
-    busiest_w = _makespan(assign_units(whole, 16), costs_w, 16)
-    busiest_s = _makespan(assign_units(split, 16), costs_s, 16)
-    assert busiest_s < busiest_w
-    # Units small enough that LPT lands within 10% of the mean (the unsplittable
-    # 2-D matrix is far below it).
-    assert busiest_s <= 1.10 * sum(costs_s) / 16
-    assert load_imbalance(assign_units(split, 16), costs_s, 16) <= 1.10
-
-
-def test_no_split_when_it_does_not_help():
-    # One rank, or plenty of equal whole params per rank: splitting cannot lower the
-    # busiest load, so the plan keeps whole (fewer, larger) units.
-    assert all(u.expert_slice is None for u in plan_units([(8, 4, 4)] * 3, 1))
-    shapes = [(4, 16, 16)] * 64
-    assert all(u.expert_slice is None for u in plan_units(shapes, 8, split_experts=True))
 
 
 # --- pipeline chunks ---------------------------------------------------------------

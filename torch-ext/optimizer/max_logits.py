@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from einops import rearrange
 import torch.distributed as dist
 from torch import Tensor
 
@@ -86,13 +87,14 @@ def eager_max_logits(
         chunk_size = max(1, DEFAULT_CHUNK_ELEMENTS // max(1, B * Hq * Lk))
     if attn_mask is not None:
         attn_mask = attn_mask.expand(B, Hq, Lq, Lk)  # a view: nothing materialised
-    k_t = key.to(compute_dtype).unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, Lk]
+    # GQA without repeating keys: the query heads of a KV group share that group's keys
+    k_t = rearrange(key.to(compute_dtype), "b kv lk d -> b kv 1 d lk")
     kv_idx = torch.arange(Lk, device=query.device)
     best = torch.full((Hq,), float("-inf"), device=query.device)
     for start in range(0, Lq, chunk_size):
         stop = min(Lq, start + chunk_size)
-        q = query[:, :, start:stop].to(compute_dtype).reshape(B, Hkv, group, stop - start, D)
-        scores = torch.matmul(q, k_t).float().mul_(scale).reshape(B, Hq, stop - start, Lk)
+        q = rearrange(query[:, :, start:stop].to(compute_dtype), "b (kv g) l d -> b kv g l d", g=group)
+        scores = rearrange(torch.matmul(q, k_t).float().mul_(scale), "b kv g l lk -> b (kv g) l lk")
         visible = None
         if is_causal:
             q_idx = torch.arange(start, stop, device=query.device)

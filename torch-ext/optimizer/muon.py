@@ -97,6 +97,10 @@ class Muon(Optimizer):
         ns_steps, ns_coefficients: Newton–Schulz iterations and coefficients
             ("fixed" = (3.4445, -4.7750, 2.0315), a table name, a triple, or a
             list of per-iteration triples).
+        ns_method: per group; "auto" picks per shape and compute dtype the form
+            with fewer FLOPs (the Gram-space iteration for rectangular matrices in
+            fp32; the classic one in bf16, where the Gram form's drift needs a
+            restart every step), "classic" or "gram" force one.
         adjust_lr: "match_rms_adamw" (0.2*sqrt(max(A,B))), "original"
             (sqrt(max(1, A/B))) or None.
         adamw_betas, adamw_eps: AdamW for the non-Muon groups (``betas``/``eps``
@@ -139,6 +143,7 @@ class Muon(Optimizer):
         nesterov: bool = True,
         ns_steps: int = 5,
         ns_coefficients: Any = "fixed",
+        ns_method: str = "auto",
         adjust_lr: str | None = "match_rms_adamw",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
@@ -166,6 +171,7 @@ class Muon(Optimizer):
             nesterov=nesterov,
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
+            ns_method=ns_method,
             adjust_lr=adjust_lr,
             eps=adamw_eps,
             maximize=maximize,
@@ -410,7 +416,7 @@ class Muon(Optimizer):
         record["qk_clip"] = repr(config_record(self.qk_clip))
         for i, g in enumerate(self.param_groups):
             for key in ("use_muon", "lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients",
-                        "adjust_lr", "betas", "eps", "maximize", ROW_BLOCKS_KEY):
+                        "ns_method", "adjust_lr", "betas", "eps", "maximize", ROW_BLOCKS_KEY):
                 value = g.get(key)
                 if torch.is_tensor(value):
                     value = value.item() if value.device.type == "cpu" else "<device tensor>"
@@ -432,8 +438,8 @@ class Muon(Optimizer):
             tuple((id(p), g is not None, None if g is None else g.dtype) for _, p, g, _ in entries),
             self.distributed_mode, self.chunk_size, self.compute_dtype, self.replica_split,
             self.replica_split_flops_per_byte,
-            tuple((g["use_muon"], g.get("ns_steps"), repr(g.get("ns_coefficients")), repr(g.get("adjust_lr")),
-                   repr(g.get(ROW_BLOCKS_KEY))) for g in self.param_groups),
+            tuple((g["use_muon"], g.get("ns_steps"), repr(g.get("ns_coefficients")), g.get("ns_method"),
+                   repr(g.get("adjust_lr")), repr(g.get(ROW_BLOCKS_KEY))) for g in self.param_groups),
             repr(config_record(self.qk_clip)), id(self.qk_clip),
         )
         cached = self.__dict__.get("_cached_plan")
@@ -454,7 +460,7 @@ class Muon(Optimizer):
             # the name (not the resolved table) so NS applies the table's own norm safety factor
             return zeropower_via_newtonschulz(
                 x, ns_steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=self.ns_eps,
-                compute_dtype=self.compute_dtype,
+                compute_dtype=self.compute_dtype, method=group.get("ns_method", "auto"),
             )
 
         return orthogonalize
@@ -629,13 +635,13 @@ class _StepView:
         plan_params = []
         for i, (n, p, _, gi) in enumerate(muon):
             group = opt.param_groups[gi]
-            steps = group["ns_steps"]
             layout = _layout(p) if is_dtensor(p) else None
             if layout is not None:
                 problem = _local_shape_problem(n, p, layout, rank)
                 if problem:
                     self.errors.append(problem)
-            cost = lambda shape, steps=steps: float(newton_schulz_flops(shape, steps))  # noqa: E731
+            compute = opt.compute_dtype or default_compute_dtype(local_view(p).device)
+            cost = _ns_cost(group, compute)
             ns_key = gi
             if group.get(ROW_BLOCKS_KEY) is not None:
                 try:
@@ -647,12 +653,12 @@ class _StepView:
                 if blocks is not None:
                     self.row_blocks[i] = blocks
                     ns_key = (gi, n)  # its own orthogonalisation: never batched with others
-                    cost = _blocks_cost(blocks, steps)
+                    cost = _blocks_cost(blocks, cost)
             plan_params.append(PlanParam(
                 name=n, shape=tuple(p.shape), layout=layout, wire_dtype=_wire_dtype(opt, p),
                 device=local_view(p).device, ns_key=ns_key, cost=cost,
                 mesh=p.device_mesh if layout is not None else None,
-                compute_itemsize=(opt.compute_dtype or default_compute_dtype(local_view(p).device)).itemsize,
+                compute_itemsize=compute.itemsize,
                 state_itemsize=p.dtype.itemsize,
             ))
         if self.errors:
@@ -700,11 +706,21 @@ class _StepView:
         return clip.table, index
 
 
-def _blocks_cost(blocks, ns_steps: int) -> Callable[[tuple[int, ...]], float]:
+def _ns_cost(group: dict, compute_dtype: torch.dtype) -> Callable[[tuple[int, ...]], float]:
+    """Newton–Schulz FLOPs of a (sub-)shape, of the form ``ns_method`` picks for it (owners are
+    balanced on the work actually done)."""
+    steps, method, coefficients = group["ns_steps"], group.get("ns_method", "auto"), group["ns_coefficients"]
+
+    def cost(shape: tuple[int, ...]) -> float:
+        return float(newton_schulz_flops(shape, steps, method, compute_dtype, coefficients))
+
+    return cost
+
+
+def _blocks_cost(blocks, matrix_cost: Callable) -> Callable[[tuple[int, ...]], float]:
     # Newton–Schulz runs per block: the owner's work is the sum over blocks
     def cost(shape: tuple[int, ...]) -> float:
-        return float(sum(c.count * newton_schulz_flops((c.rows_per_block, shape[-1]), ns_steps)
-                         for c in blocks.classes))
+        return float(sum(c.count * matrix_cost((c.rows_per_block, shape[-1])) for c in blocks.classes))
 
     return cost
 

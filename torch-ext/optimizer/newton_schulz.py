@@ -5,6 +5,19 @@ gets there with matmuls only: normalise ``X = G / ||G||_F`` (so every singular v
 (0, 1]), then repeat ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, which applies the odd
 polynomial ``p(s) = a s + b s^3 + c s^5`` to every singular value.
 
+Two ways to run the same iteration (``method``):
+
+* ``"classic"``: the loop above, on the m x n matrix (m <= n after transposing tall ones).
+* ``"gram"``: every step multiplies X on the left by ``q(A) = a I + b A + c A^2``, a polynomial
+  in the m x m Gram matrix, so the steps can run on m x m matrices alone and touch X only at
+  the start and end of a segment: ``A_{k+1} = q_k(A_k) A_k q_k(A_k)``, ``Q_{k+1} = Q_k q_k(A_k)``,
+  ``X_K = Q_K X_0``. Fewer FLOPs once n > 1.5 m (see :func:`newton_schulz_flops`). In finite
+  precision the m x m recursion drifts, so it restarts (re-forms A from X) on a schedule that
+  depends on the coefficients and the compute dtype (:func:`gram_restart_plan`).
+* ``"auto"`` (default) picks whichever does fewer FLOPs for the shape and compute dtype
+  (:func:`choose_ns_method`): the Gram form for rectangular matrices in fp32, the classic one in
+  bf16, where accurate Gram segments are one step long.
+
 Everything here is a pure function of its inputs: no process groups, no optimizer state. The
 distributed code gathers a full matrix (or a batch of them) and calls this.
 """
@@ -13,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Union
 
 import torch
@@ -98,12 +112,164 @@ def resolve_ns_coefficients(spec: CoefficientSpec, ns_steps: int) -> list[Coeffi
     return [_check_triple(t, f"entry {i}") for i, t in enumerate(spec)]
 
 
+NS_METHODS = ("auto", "classic", "gram")
+
+
+def check_ns_method(method) -> str:
+    """Return ``method`` if it is one of :data:`NS_METHODS`, else raise a ValueError saying which are."""
+    if not isinstance(method, str) or method not in NS_METHODS:
+        raise ValueError(
+            f"ns_method must be one of {', '.join(map(repr, NS_METHODS))}, got {method!r} "
+            '("auto" picks the form with fewer FLOPs for each shape and compute dtype; '
+            '"classic" and "gram" force one form)'
+        )
+    return method
+
+
 def default_compute_dtype(device: torch.device | str) -> torch.dtype:
     """bf16 where tensor cores make it fast (CUDA); fp32 elsewhere.
 
     On CPU a bf16 matmul is roughly 100x slower than fp32, and fp32 is more accurate anyway.
     """
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+# ------------------------------------------------------------------ Gram-space restarts
+
+# How much a Gram-space step's polynomial may be off, within one segment, because of drift.
+#
+# Rounding makes the computed A = X X^T slightly indefinite: an eigenvalue that should be 0, or
+# any below the rounding level (singular values under sqrt(u) of the largest), comes out near
+# -u * ||A|| (u: the compute dtype's unit roundoff). The m x m recursion multiplies every
+# eigenvalue r of A by q(r)^2 per step, q(r) = a + b r + c r^2, so such an r drifts from -u
+# geometrically. Two things go wrong (Zhang, Amsel, Chen and Dao, "Gram Newton-Schulz", Dao AI Lab
+# blog, 2026; github.com/Dao-AILab/gram-newton-schulz): while |r| is small, the directions below
+# the rounding level get the step factor q(r) instead of q(r_true), an error of about
+# |b r| / |a|; and since, unlike a positive r, a negative one is never damped (q grows with -r),
+# it eventually blows up, taking the result with it. The classic form has neither problem: it
+# re-forms A from X every step, and an odd polynomial cannot flip a singular value's sign. The
+# cure is to restart part-way: X <- Q X, A <- X X^T, which resets the drift to -u.
+#
+# Dao et al. place restarts by simulating a negatively perturbed eigenvalue through the table and
+# minimising the condition number of Q (autotuned: after step 2 of 5-step Polar Express in fp16,
+# which Microsoft's dion and others hard-code). We make it a rule evaluated per (coefficients,
+# dtype), aimed at accuracy rather than only at avoiding blow-up: follow r_0 = -u through
+# r <- r q(r)^2 and restart before a step whose factor would be off by more than this fraction,
+# (|b| |r| + |c| r^2) / |a|. With 1%, fp32 runs 5 steps in one segment (the 5th is 0.2% off
+# with the fixed table, 0.8% with Polar Express) and 10 in two of 5 (a 6th would be 2% off;
+# measured, 6+4 steps left singular values of ill-conditioned inputs up to 0.16 off the fp64
+# iteration, 5+5 at most 4e-3, 1.3e-2 at condition number 1e6: tests/test_newton_schulz_gram.py,
+# benchmarks/ns_efficiency.py --restart-study). In bf16 the second step would already be 6.4%
+# off, so every segment is one step (up to Polar Express's converged steps past the 5th), which
+# is the classic iteration: the Gram form has no accurate FLOP saving in bf16. (There 2-step
+# segments do not blow up but were measured 1.5-3.5x less accurate than the classic form; one
+# restart after step 2 or 3, as in fp16 practice, blew up on rank-deficient and power-law inputs.)
+_GRAM_STEP_ERROR_LIMIT = 0.01
+
+
+def gram_restart_plan(
+    coefficients: CoefficientSpec, ns_steps: int, dtype: torch.dtype | None = None
+) -> tuple[int, ...]:
+    """Lengths of the Gram-space segments for ``ns_steps`` iterations (they sum to ``ns_steps``).
+
+    Each segment forms ``A = X X^T`` from the current X, runs its steps on m x m matrices and
+    ends with ``X <- Q X``; a segment of one step is exactly a classic step. ``dtype`` is the
+    compute dtype (None: float32). See ``_GRAM_STEP_ERROR_LIMIT`` for the rule; with the tables
+    here: fp32 5 steps -> (5,), 10 -> (5, 5); bf16 up to 5 steps -> all ones.
+    """
+    steps = tuple(resolve_ns_coefficients(coefficients, ns_steps))
+    return _restart_plan(steps, torch.finfo(dtype or torch.float32).eps / 2)
+
+
+def _drift_error(r: float, a: float, b: float, c: float) -> float:
+    """Relative error of the step factor q(r) = a + b r + c r^2 at a drifted eigenvalue r."""
+    return (abs(b * r) + abs(c * r * r)) / abs(a) if a != 0 else math.inf
+
+
+@lru_cache(maxsize=512)
+def _restart_plan(steps: tuple[Coefficients, ...], unit_roundoff: float) -> tuple[int, ...]:
+    lengths: list[int] = []
+    r = math.nan
+    for a, b, c in steps:
+        # not <=: restarts on the first step (r is nan) and on an overflowed r
+        if not lengths or not _drift_error(r, a, b, c) <= _GRAM_STEP_ERROR_LIMIT:
+            lengths.append(0)
+            r = -unit_roundoff
+        lengths[-1] += 1
+        r = r * (a + b * r + c * r * r) ** 2
+    return tuple(lengths)
+
+
+# ------------------------------------------------------------------ FLOPs and the choice
+
+
+def newton_schulz_flops(
+    shape: Sequence[int],
+    ns_steps: int,
+    method: str = "classic",
+    dtype: torch.dtype | None = None,
+    coefficients: CoefficientSpec = "fixed",
+) -> int:
+    """Floating-point operations (2 per multiply-add) of the NS matmuls for ``shape``.
+
+    With ``s = min(m, n)`` and ``l = max(m, n)``, every matrix of a batched shape counting:
+
+    * classic: per step ``X X^T`` (s*s*l), ``A @ A`` (s^3) and ``B @ X`` (s*s*l) multiply-adds.
+    * gram: per segment of L steps (:func:`gram_restart_plan`, which depends on the
+      coefficients and ``dtype``) ``X X^T`` and ``Q @ X`` (s*s*l each) plus ``4 L - 3`` products
+      of s x s matrices (``A @ A`` every step, ``Q q(A)`` every step but the first, ``A q(A)`` and
+      ``q(A) (A q(A))`` every step but the last).
+
+    Per segment of L >= 2 steps the gram form saves ``2 (L - 1) s^2 (2 l - 3 s)`` FLOPs: fewer
+    exactly when ``l > 1.5 s``, whatever the plan. ``method="auto"`` counts the form
+    :func:`choose_ns_method` picks. Elementwise work and the normalisation are ignored (lower
+    order). Nominal counts: the CPU's symmetric-block shortcut does less. Used to balance owners
+    across ranks.
+    """
+    shape = tuple(int(d) for d in shape)
+    if len(shape) < 2:
+        raise ValueError(f"newton_schulz_flops needs a shape [..., m, n], got {shape}")
+    if ns_steps < 0:
+        raise ValueError(f"ns_steps must be >= 0, got {ns_steps}")
+    check_ns_method(method)
+    if ns_steps == 0:
+        return 0
+    if method == "auto":
+        method = choose_ns_method(shape, ns_steps, "auto", dtype, coefficients)
+    batch = math.prod(shape[:-2])
+    s, l = min(shape[-2:]), max(shape[-2:])
+    if method == "classic":
+        return 2 * ns_steps * batch * (2 * s * s * l + s**3)
+    segments = len(gram_restart_plan(coefficients, ns_steps, dtype))
+    return 2 * batch * (2 * segments * s * s * l + (4 * ns_steps - 3 * segments) * s**3)
+
+
+def choose_ns_method(
+    shape: Sequence[int],
+    ns_steps: int,
+    method: str = "auto",
+    dtype: torch.dtype | None = None,
+    coefficients: CoefficientSpec = "fixed",
+) -> str:
+    """``"classic"`` or ``"gram"``: ``method`` itself unless it is ``"auto"``, which picks the
+    form with fewer FLOPs (:func:`newton_schulz_flops`) for this shape, compute ``dtype`` (None:
+    float32) and coefficient table; ties go to classic.
+
+    The Gram form saves FLOPs exactly when ``max(m, n) > 1.5 min(m, n)`` and its restart plan
+    (:func:`gram_restart_plan`, where the dtype and coefficients enter) has a segment of two or
+    more steps. That holds in fp32 and fp64; in bf16 the plan is one step per segment (the classic
+    iteration, for accuracy; up to 5 steps, and for the fixed table always), so "auto" is classic
+    there. Pure: no tensors, the same answer on every rank.
+    """
+    check_ns_method(method)
+    if method != "auto":
+        return method
+    classic = newton_schulz_flops(shape, ns_steps, "classic")
+    gram = newton_schulz_flops(shape, ns_steps, "gram", dtype, coefficients)
+    return "gram" if gram < classic else "classic"
+
+
+# ------------------------------------------------------------------ the iteration
 
 
 def zeropower_via_newtonschulz(
@@ -113,20 +279,25 @@ def zeropower_via_newtonschulz(
     eps: float = 1e-7,
     compute_dtype: torch.dtype | None = None,
     norm_safety: float | None = None,
+    method: str = "auto",
 ) -> Tensor:
     """Approximately orthogonalise every matrix in ``G`` (shape ``[..., m, n]``).
 
     Leading dims are a batch of independent matrices (a 3-D MoE weight ``[E, out, in]`` is E
-    matrices done in one batched call). Each matrix is divided by its own Frobenius norm (times
-    ``norm_safety``; default: what the named table needs, else 1), tall matrices are transposed
-    so the Gram matrix ``X X^T`` is the small one. Returns a tensor of ``G``'s shape in the
-    compute dtype (default :func:`default_compute_dtype` of ``G``'s device).
+    matrices done in one batched call). G is cast to the compute dtype and each matrix divided
+    by its own Frobenius norm in fp32 (times ``norm_safety``; default: what the named table
+    needs, else 1), rounding once to the compute dtype; tall matrices are transposed
+    so the Gram matrix ``X X^T`` is the small one. ``method`` is ``"classic"``, ``"gram"`` or
+    ``"auto"`` (:func:`choose_ns_method`; the two forms compute the same polynomial and differ
+    in rounding only). Returns a tensor of ``G``'s shape in the compute dtype (default
+    :func:`default_compute_dtype` of ``G``'s device).
     """
     if G.ndim < 2:
         raise ValueError(
             f"zeropower_via_newtonschulz expects a matrix or a batch of matrices [..., m, n], "
             f"got shape {tuple(G.shape)}"
         )
+    check_ns_method(method)
     steps = resolve_ns_coefficients(coefficients, ns_steps)
     if norm_safety is None:
         norm_safety = NS_NORM_SAFETY.get(coefficients, 1.0) if isinstance(coefficients, str) else 1.0
@@ -134,81 +305,145 @@ def zeropower_via_newtonschulz(
         raise ValueError(f"norm_safety must be positive, got {norm_safety!r}")
     dtype = compute_dtype if compute_dtype is not None else default_compute_dtype(G.device)
     shape = G.shape
-    m, n = shape[-2], shape[-1]
     if G.numel() == 0:
         return torch.zeros(shape, dtype=dtype, device=G.device)
+    form = choose_ns_method(shape, ns_steps, method, dtype, steps)
 
-    X = G.to(dtype).reshape(-1, m, n)
-    transposed = m > n
-    if transposed:
-        X = X.mT
-    # Per-matrix Frobenius norm >= spectral norm, so singular values land in (0, 1].
-    # Accumulate the norm in fp32 even for bf16 inputs.
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    X = X / (norm * norm_safety).clamp_min(eps).to(dtype)
-
+    X = _normalised(G, dtype, norm_safety, eps)  # [batch, s, l], s <= l
     single = X.shape[0] == 1
     if single:  # 2-D kernels (mm/addmm) for the common unbatched case
         X = X[0]
-    mm = torch.mm if single else torch.bmm
-    addmm = torch.addmm if single else torch.baddbmm
-    # X X^T and A A (= A A^T, A being symmetric) are symmetric: for a single matrix on CPU,
-    # computing only their diagonal and upper blocks saves 1/4 of those FLOPs per level and
-    # measured 5-20% faster from 768 wide (benchmarks/ns_efficiency.py). Not used for batches
-    # (no gain measured) nor on CUDA (not measured).
-    symmetric = single and X.device.type == "cpu" and X.shape[-2] >= 2 * _SYMMETRIC_MIN_BLOCK
-    for a, b, c in steps:
-        if symmetric:
-            A = _symmetric_gram(X)
-            B = _symmetric_gram(A).mul_(c).add_(A, alpha=b)
-        else:
-            A = mm(X, X.mT)  # [m, m], symmetric
-            # B = b*A + c*A@A in one fused call; A@A is A^T A as well, no extra transpose.
-            B = addmm(A, A, A, beta=b, alpha=c)
-        X = addmm(X, B, X, beta=a)  # a*X + B@X
+    if form == "gram":
+        X = _gram_iterations(X, steps, gram_restart_plan(steps, ns_steps, dtype))
+    else:
+        X = _classic_iterations(X, steps)
     if single:
         X = X.unsqueeze(0)
-    if transposed:
+    if shape[-2] > shape[-1]:
         X = X.mT
     return X.reshape(shape)
+
+
+def _normalised(G: Tensor, dtype: torch.dtype, norm_safety: float, eps: float) -> Tensor:
+    """G as [batch, s, l] (tall matrices transposed), each matrix divided by its Frobenius norm
+    times ``norm_safety``, in ``dtype``, contiguous.
+
+    G is first cast to ``dtype``: exactly the numbers a bf16 all-gather delivers to the owner, so
+    parallel and single-device Muon see the same matrix. The norm of that matrix and the division
+    are then in fp32 (or wider, if G or dtype is), rounding once more: dividing by a bf16-rounded
+    norm would scale the matrix by up to 2^-8 (0.4%) off, a fifth of Polar Express's 2% safety
+    margin. Frobenius norm >= spectral norm, so singular values land in (0, 1 / norm_safety].
+    """
+    m, n = G.shape[-2:]
+    X = G.to(dtype).reshape(-1, m, n)
+    if m > n:
+        X = X.mT
+    wide = torch.promote_types(torch.promote_types(G.dtype, dtype), torch.float32)
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=wide)
+    out = torch.empty(X.shape, dtype=dtype, device=G.device)
+    return torch.div(X, (norm * norm_safety).clamp_min(eps), out=out)
+
+
+def _uses_symmetric_blocks(X: Tensor) -> bool:
+    # On CPU, computing only the diagonal and upper blocks of a product known to be symmetric
+    # saves 1/4 of its FLOPs per level. Single matrices: 5-20% faster from 768 wide
+    # (benchmarks/ns_efficiency.py). Batches of experts, [4..16, 256..1024, ...]: 3-22% faster
+    # for the classic form and 7-25% for the Gram form (minima of 7 interleaved repeats, one
+    # thread). Not used on CUDA (not measured; cuBLAS has no symmetric-output GEMM to call).
+    return X.device.type == "cpu" and X.shape[-2] >= 2 * _SYMMETRIC_MIN_BLOCK
+
+
+def _classic_iterations(X: Tensor, steps: Sequence[Coefficients]) -> Tensor:
+    """``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, per step; X is [s, l] or [batch, s, l]."""
+    symmetric = _uses_symmetric_blocks(X)
+    addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
+    for a, b, c in steps:
+        A = _symmetric_product(X, X.mT, blocks=symmetric)  # [s, s]
+        # B = b*A + c*A@A in one fused call; A@A is A^T A as well, no extra transpose.
+        B = _symmetric_product(A, A, A, beta=b, alpha=c, blocks=symmetric)
+        X = addmm(X, B, X, beta=a)  # a*X + B@X
+    return X
+
+
+def _gram_iterations(X: Tensor, steps: Sequence[Coefficients], plan: Sequence[int]) -> Tensor:
+    """The same polynomial as :func:`_classic_iterations`, run on s x s matrices.
+
+    Within a segment, with ``q(A) = a I + B`` and ``B = b A + c A^2``: ``Q <- Q q(A)`` and
+    ``A <- q(A) A q(A)``, all products of polynomials in the segment's first A, hence symmetric;
+    at its end ``X <- Q X``. ``a I`` is kept out of the stored B so that in low precision B keeps
+    its own relative accuracy (as the classic form's ``a X + B X`` does).
+    """
+    symmetric = _uses_symmetric_blocks(X)
+    addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
+    mm = torch.mm if X.ndim == 2 else torch.bmm
+    first = 0
+    for length in plan:
+        segment, first = steps[first : first + length], first + length
+        A = _symmetric_product(X, X.mT, blocks=symmetric)
+        if length == 1:  # a classic step
+            (a, b, c), = segment
+            B = _symmetric_product(A, A, A, beta=b, alpha=c, blocks=symmetric)
+            X = addmm(X, B, X, beta=a)
+            continue
+        Q = None
+        for j, (a, b, c) in enumerate(segment):
+            B = _symmetric_product(A, A, A, beta=b, alpha=c, blocks=symmetric)
+            if Q is None:
+                Q = B.clone()
+                Q.diagonal(dim1=-2, dim2=-1).add_(a)  # q(A) = a I + B
+            else:
+                Q = _symmetric_product(Q, B, Q, beta=a, blocks=symmetric)  # Q q(A) = a Q + Q B
+            if j + 1 < length:
+                AQ = _symmetric_product(A, B, A, beta=a, blocks=symmetric)  # A q(A)
+                A = _symmetric_product(B, AQ, AQ, beta=a, blocks=symmetric)  # q(A) A q(A)
+        X = mm(Q, X)
+    return X
 
 
 # Rows below which a symmetric product is done as one matmul (smaller GEMMs lose efficiency).
 _SYMMETRIC_MIN_BLOCK = 128
 
 
-def _symmetric_gram(X: Tensor, out: Tensor | None = None) -> Tensor:
-    """``X @ X.mT`` for X [..., s, k], computing only the diagonal and upper blocks.
+def _symmetric_product(
+    L: Tensor,
+    R: Tensor,
+    C: Tensor | None = None,
+    *,
+    beta: float = 1.0,
+    alpha: float = 1.0,
+    blocks: bool = True,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``beta C + alpha L @ R`` for a result known to be symmetric (L [..., s, k], R [..., k, s]).
 
-    Split the rows in halves: the diagonal blocks are the halves' own Gram matrices
-    (recursively), the upper block is ``X1 X2^T`` and the lower one its transpose.
+    With ``blocks``, only the diagonal and upper blocks are computed: split the rows in halves;
+    the diagonal blocks are the halves' own products (recursively), the upper one is
+    ``L1 R2`` and the lower one its transpose. Without, one (b)addbmm/matmul call.
     """
-    s = X.shape[-2]
+    s = L.shape[-2]
     if out is None:
-        out = X.new_empty((*X.shape[:-2], s, s))
+        out = L.new_empty((*L.shape[:-2], s, s))
     h = s // 2
-    if h < _SYMMETRIC_MIN_BLOCK:
-        return torch.matmul(X, X.mT, out=out)
-    X1, X2 = X[..., :h, :], X[..., h:, :]
-    _symmetric_gram(X1, out[..., :h, :h])
-    _symmetric_gram(X2, out[..., h:, h:])
-    torch.matmul(X1, X2.mT, out=out[..., :h, h:])
-    out[..., h:, :h] = out[..., :h, h:].mT
+    if not blocks or h < _SYMMETRIC_MIN_BLOCK:
+        if C is None:
+            return torch.matmul(L, R, out=out)
+        addmm = torch.addmm if L.ndim == 2 else torch.baddbmm
+        return addmm(C, L, R, beta=beta, alpha=alpha, out=out)
+    for rows in (slice(None, h), slice(h, None)):
+        _symmetric_product(
+            L[..., rows, :], R[..., :, rows], None if C is None else C[..., rows, rows],
+            beta=beta, alpha=alpha, out=out[..., rows, rows],
+        )
+    upper = out[..., :h, h:]
+    if C is None:
+        torch.matmul(L[..., :h, :], R[..., :, h:], out=upper)
+    else:
+        addmm = torch.addmm if L.ndim == 2 else torch.baddbmm
+        addmm(C[..., :h, h:], L[..., :h, :], R[..., :, h:], beta=beta, alpha=alpha, out=upper)
+    out[..., h:, :h] = upper.mT
     return out
 
 
-def newton_schulz_flops(shape: Sequence[int], ns_steps: int) -> int:
-    """Floating-point operations (2 per multiply-add) of the NS matmuls for ``shape``.
-
-    With ``s = min(m, n)`` and ``l = max(m, n)`` one iteration does ``X X^T`` (s*s*l), ``A @ A``
-    (s^3) and ``B @ X`` (s*s*l) multiply-adds; every matrix of a batched shape counts. Elementwise
-    work and the normalisation are ignored (lower order). Used to balance owners across ranks.
-    """
-    shape = tuple(int(d) for d in shape)
-    if len(shape) < 2:
-        raise ValueError(f"newton_schulz_flops needs a shape [..., m, n], got {shape}")
-    if ns_steps < 0:
-        raise ValueError(f"ns_steps must be >= 0, got {ns_steps}")
-    batch = math.prod(shape[:-2])
-    s, l = min(shape[-2:]), max(shape[-2:])
-    return 2 * ns_steps * batch * (2 * s * s * l + s * s * s)
+def _symmetric_gram(X: Tensor, out: Tensor | None = None) -> Tensor:
+    """``X @ X.mT`` for X [..., s, k], computing only the diagonal and upper blocks."""
+    return _symmetric_product(X, X.mT, out=out)

@@ -1,14 +1,15 @@
-"""Which rank orthogonalizes which matrix in parallel Muon.
+"""Which rank orthogonalises which matrix in parallel Muon, and in which chunk.
 
-Parallel Muon gives every work unit (a parameter's full gradient, or a contiguous
-range of an expert parameter's experts) one owner rank in its shard group: the owner
-gathers the shards, runs Newton-Schulz and scatters the update back.  Newton-Schulz
-dominates the step, so owners are chosen to balance its FLOPs.
+Parallel Muon gives every work unit (a matrix, or a contiguous range of an expert
+weight's experts) one owner among the ranks that hold it: the owner gathers the
+pieces, runs Newton-Schulz and scatters the update back.  Newton-Schulz dominates the
+step, so owners are chosen to balance its FLOPs (longest-processing-time first), and
+the pipeline's chunks are cut so that every owner has similar work in each.
 
-Everything here is pure Python on shapes and numbers (costs come from
-``newton_schulz_flops``), with no process groups and no randomness: every rank
-computes the same plan from the same inputs, so no rank has to broadcast it.
-Ties are broken by index, never by hash or dict order.
+Everything here is pure Python on numbers (costs come from ``newton_schulz_flops``;
+the step plan in ``plan.py`` decides the units), with no process groups and no
+randomness: every rank computes the same result from the same inputs, so no rank has
+to broadcast it.  Ties are broken by index and list order, never by hash or dict order.
 """
 
 from __future__ import annotations
@@ -16,35 +17,17 @@ from __future__ import annotations
 import heapq
 import math
 import numbers
-from typing import NamedTuple, Optional, Sequence
+from typing import Sequence
 
-from .newton_schulz import newton_schulz_flops
 
 __all__ = [
-    "WorkUnit",
     "assign_owners",
     "assign_owners_among",
     "chunk_order",
     "chunked_critical_path",
     "cut_chunks",
     "split_range_evenly",
-    "assign_units",
-    "plan_units",
-    "rank_loads",
-    "load_imbalance",
 ]
-
-
-class WorkUnit(NamedTuple):
-    """One independent Newton-Schulz job.
-
-    ``expert_slice`` indexes dim 0 of the parameter (the expert dim of ``[E, out, in]``);
-    ``None`` means the whole parameter.  ``cost`` is the unit's Newton-Schulz FLOPs.
-    """
-
-    param_index: int
-    expert_slice: Optional[slice]
-    cost: float
 
 
 def _check_num_ranks(num_ranks: int) -> None:
@@ -180,40 +163,6 @@ def chunked_critical_path(chunks: Sequence[Sequence[int]], costs: Sequence[float
     return path
 
 
-def assign_units(units: Sequence[WorkUnit], num_ranks: int) -> list[int]:
-    """The owner rank of every work unit (LPT on the units' costs)."""
-    return assign_owners([u.cost for u in units], num_ranks)
-
-
-def rank_loads(assignment: Sequence[int], costs: Sequence[float], num_ranks: int) -> list[float]:
-    """Total cost owned by each rank."""
-    _check_num_ranks(num_ranks)
-    if len(assignment) != len(costs):
-        raise ValueError(
-            f"assignment has {len(assignment)} entries but costs has {len(costs)}: "
-            "pass one owner per cost"
-        )
-    loads = [0] * num_ranks
-    for i, (rank, cost) in enumerate(zip(assignment, costs)):
-        if not 0 <= rank < num_ranks:
-            raise ValueError(f"assignment[{i}] = {rank} is not a rank in [0, {num_ranks})")
-        loads[rank] += cost
-    return loads
-
-
-def load_imbalance(assignment: Sequence[int], costs: Sequence[float], num_ranks: int) -> float:
-    """Busiest rank's load over the ideal, max(total / num_ranks, largest unit).
-
-    The ideal is a lower bound on any assignment's makespan, so 1.0 means nothing
-    better exists; the largest unit is included because it cannot be divided.
-    """
-    loads = rank_loads(assignment, costs, num_ranks)
-    ideal = max(sum(costs) / num_ranks, max(costs, default=0))
-    if ideal == 0:
-        return 1.0
-    return max(loads) / ideal
-
-
 def split_range_evenly(length: int, pieces: int) -> list[slice]:
     """``range(length)`` as ``pieces`` contiguous, near-equal slices (the first ``length % pieces`` one longer)."""
     base, extra = divmod(length, pieces)
@@ -223,61 +172,3 @@ def split_range_evenly(length: int, pieces: int) -> list[slice]:
         slices.append(slice(start, stop))
         start = stop
     return slices
-
-
-def _makespan(units: Sequence[WorkUnit], num_ranks: int) -> float:
-    costs = [u.cost for u in units]
-    return max(rank_loads(assign_owners(costs, num_ranks), costs, num_ranks))
-
-
-def plan_units(
-    shapes: Sequence[Sequence[int]],
-    num_ranks: int,
-    ns_steps: int = 5,
-    split_experts: bool = True,
-    target_unit_fraction: float = 0.1,
-) -> list[WorkUnit]:
-    """Work units for the Muon matrices ``shapes`` on a shard group of ``num_ranks``.
-
-    Without splitting every parameter is one unit.  With ``split_experts`` each
-    parameter with leading (expert) dims whose cost exceeds ``target_unit_fraction`` of
-    the mean per-rank load is cut along dim 0 into contiguous, near-equal expert ranges
-    of about that cost.  LPT ends within one unit of the mean, so small units bound
-    the imbalance; but each unit is its own gather/scatter, so units are no smaller
-    than needed.  The split plan is returned only if its LPT makespan is strictly
-    lower than the whole-parameter plan's (ties keep the fewer, larger units).
-
-    Units come out in parameter order, and a parameter's ranges in expert order.
-    """
-    _check_num_ranks(num_ranks)
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
-        raise ValueError(f"ns_steps must be a positive int, got {ns_steps!r}")
-    if not (0 < target_unit_fraction <= 1):
-        raise ValueError(f"target_unit_fraction must be in (0, 1], got {target_unit_fraction!r}")
-    shapes = [tuple(int(d) for d in s) for s in shapes]
-    for i, s in enumerate(shapes):
-        if len(s) < 2 or min(s) < 0:
-            raise ValueError(
-                f"shapes[{i}] = {s}: Muon parameters are matrices [..., out, in] with "
-                "non-negative sizes; route 0-D/1-D parameters to AdamW"
-            )
-
-    whole = [WorkUnit(i, None, newton_schulz_flops(s, ns_steps)) for i, s in enumerate(shapes)]
-    if not split_experts or num_ranks == 1:
-        return whole
-
-    target = target_unit_fraction * sum(u.cost for u in whole) / num_ranks
-    split: list[WorkUnit] = []
-    for unit, shape in zip(whole, shapes):
-        num_experts = shape[0] if len(shape) >= 3 else 1
-        pieces = min(num_experts, math.ceil(unit.cost / target)) if target > 0 else 1
-        if pieces <= 1:
-            split.append(unit)
-            continue
-        per_expert = newton_schulz_flops(shape[1:], ns_steps)
-        for sl in split_range_evenly(num_experts, pieces):
-            split.append(WorkUnit(unit.param_index, sl, per_expert * (sl.stop - sl.start)))
-
-    if len(split) == len(whole):
-        return whole
-    return split if _makespan(split, num_ranks) < _makespan(whole, num_ranks) else whole

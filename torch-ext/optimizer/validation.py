@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .newton_schulz import resolve_ns_coefficients
+from .newton_schulz import check_ns_method, resolve_ns_coefficients
 from .tensors import is_dtensor
 
 GROUPS_HELP = (
@@ -81,6 +81,10 @@ def check_group_options(group: dict, where: str) -> None:
                 f"Muon: `{where} adjust_lr` must be one of {ADJUST_LR_MODES}, got {group['adjust_lr']!r}"
             )
         resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])  # raises on bad input
+        try:
+            check_ns_method(group.get("ns_method", "auto"))
+        except ValueError as err:
+            raise ValueError(f"Muon: `{where} ns_method`: {err}") from None
     else:
         betas = group["betas"]
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
