@@ -256,17 +256,21 @@ class Run:
         per_rank = self.cfg.train.batch_size // self.dp_size
         batch = global_batch(self.cfg, step)[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
         batch = batch.to(self.device)
+        self._sync()
         start = time.perf_counter()
         loss = self.model(batch[:, :-1], batch[:, 1:])
         loss.backward()
         qk_logits = self._qk_logits() if self.use_qk_clip else None
+        self._sync()
         fwd_bwd = time.perf_counter() - start
 
         full_grads = self.reference.gather_grads(self.model) if self.reference is not None else None
+        self._sync()
         start = time.perf_counter()
         _step(self.opt, qk_logits)
         self.opt.zero_grad(set_to_none=True)
         self.schedule.step()
+        self._sync()
         step_time = fwd_bwd + time.perf_counter() - start
         if self.reference is not None:
             self.reference.step(full_grads, qk_logits)
@@ -296,6 +300,11 @@ class Run:
             self._evaluate()
         if n % self.cfg.train.log_every == 0 or n == self.steps:
             self._log_line()
+
+    def _sync(self) -> None:
+        """Wait for the GPU's queued work, so that host clocks time it (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _qk_logits(self) -> dict[int, torch.Tensor]:
         return collect_qk_logits(self.model, tp_group=self.tp_group, dp_groups=self.dp_groups)

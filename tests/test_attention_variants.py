@@ -263,3 +263,24 @@ def test_reference_with_another_fused_layout_is_caught():
     s = run_ranks(_lockstep, 4, "fused_qkv", {}, "qkv", "concat", timeout=240)[0]
     assert s["max_param_deviation"] > 100 * DEFAULT_TOLERANCE
     assert "wqkv" in s["worst_param"], s["worst_param"]
+
+
+def test_recorded_max_is_bit_for_bit_the_largest_logit_the_softmax_sees():
+    """The forward divides q.k by sqrt(d); the recorded max must be exactly the largest of those
+    logits (QK-clip then bounds what the model computed, and the main job's numbers do not move
+    when the max comes from the library's helper).  At the main job's attention sizes."""
+    args = ModelArgs(vocab_size=16, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=8,
+                     n_experts=2, expert_dim=4)
+    attn = build_model(args, seed=7).layers[0].attention
+    mismatches = 0
+    for seed in range(5):
+        x = torch.randn(4, 128, args.dim, generator=torch.Generator().manual_seed(seed)) * 3
+        with torch.no_grad():
+            attn(x)
+            q = (x @ attn.wq.weight.T).view(4, 128, 4, 32).transpose(1, 2)
+            k = (x @ attn.wk.weight.T).view(4, 128, 2, 32).transpose(1, 2).repeat_interleave(2, dim=1)
+            logits = (q @ k.transpose(-2, -1)) / math.sqrt(32)
+            causal = torch.ones(128, 128, dtype=torch.bool).tril()
+            want = logits.masked_fill(~causal, -math.inf).amax(dim=(0, 2, 3))
+        mismatches += not torch.equal(attn.last_max_logits, want)
+    assert mismatches == 0
