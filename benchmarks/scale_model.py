@@ -99,9 +99,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MiB = 2**20
 
 
+# The Newton-Schulz compute dtype the model assumes: CUDA's default, bf16, where
+# ns_method="auto" keeps the classic form for every shape (the Gram form would need a
+# restart every step).  Costs are those of the form auto picks, as the optimizer's are.
+NS_DTYPE = torch.bfloat16
+
+
 def _ns_cost(shape, ns_steps: int) -> float:
     """Newton-Schulz FLOPs of one unit: every cost in this model goes through here."""
-    return float(newton_schulz_flops(shape, ns_steps))
+    return float(newton_schulz_flops(shape, ns_steps, "auto", NS_DTYPE))
 
 
 def _item(dtype: torch.dtype) -> int:

@@ -16,6 +16,9 @@ gradients, it times ``optimizer.step()`` of
                several replicas are split over them, ``replica_split="auto"``);
   * repeat     the same with ``replica_split="never"``: every replica orthogonalises
                its own copy (the path before the split; only with replicas);
+  * classic    the same with ``ns_method="classic"``: the per-shape choice of the
+               Gram-space Newton–Schulz off (where the compute dtype lets auto pick it:
+               fp32, i.e. on CPU; only then is this variant run);
   * gather     the same Muon, ``distributed_mode="gather"`` (every rank
                gathers every matrix: the baseline parallel Muon must beat);
   * torch      ``torch.optim.Muon`` on the same DTensors (DTensor dispatch
@@ -69,12 +72,14 @@ _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO / "torch-ext"))
 
 from optimizer import Muon, QKClipConfig  # noqa: E402
-from optimizer.newton_schulz import default_compute_dtype, newton_schulz_flops  # noqa: E402
+from optimizer.testing import torch_muon_newton_schulz as torch_muon_ns_dtype  # noqa: E402
+from optimizer.newton_schulz import choose_ns_method, default_compute_dtype, newton_schulz_flops  # noqa: E402
 
-VARIANTS = ("parallel", "repeat", "gather", "torch", "titan", "adamw")
+VARIANTS = ("parallel", "repeat", "classic", "gather", "torch", "titan", "adamw")
 VARIANT_LABELS = {
     "parallel": "parallel Muon (this project)",
     "repeat": "parallel Muon, replicas repeat the work",
+    "classic": "parallel Muon, classic Newton–Schulz only",
     "gather": "gather-everything Muon (this project)",
     "torch": "torch.optim.Muon on DTensors",
     "titan": "torchtitan DistMuon (flex_shard)",
@@ -189,52 +194,11 @@ def placements_for(kind: str, mesh_names: tuple[str, ...], mesh_shape: tuple[int
 # --------------------------------------------------------- the variants
 
 
-def _torch_ns_in(dtype: torch.dtype):
-    """torch.optim.Muon's Newton–Schulz, line for line, with the cast to ``dtype``.
-
-    torch.optim.Muon always computes in bf16, which a CPU runs ~50-100x slower
-    than fp32 (no bf16 matrix units): timing it would measure the CPU's bf16
-    GEMM, not the distribution strategy.  ``--torch-muon-dtype auto`` swaps in
-    this copy with the dtype parallel Muon uses on the device.
-    """
-
-    def zeropower(grad, ns_coefficients, ns_steps, eps):
-        a, b, c = ns_coefficients
-        ortho = grad.to(dtype, copy=True)  # copy: div_ below must not touch the momentum buffer
-        if grad.size(0) > grad.size(1):
-            ortho = ortho.T
-        ortho.div_(ortho.norm().clamp(min=eps))
-        for _ in range(ns_steps):
-            gram = ortho @ ortho.T
-            gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-            ortho = torch.addmm(ortho, gram_update, ortho, beta=a)
-        if grad.size(0) > grad.size(1):
-            ortho = ortho.T
-        return ortho
-
-    return zeropower
-
-
-@contextlib.contextmanager
-def torch_muon_ns_dtype(dtype: torch.dtype | None):
-    """Run torch.optim.Muon's Newton–Schulz in ``dtype`` (None: as shipped, bf16)."""
-    import torch.optim._muon as torch_muon
-
-    if dtype is None or dtype == torch.bfloat16:
-        yield
-        return
-    original = torch_muon._zeropower_via_newtonschulz
-    torch_muon._zeropower_via_newtonschulz = _torch_ns_in(dtype)
-    try:
-        yield
-    finally:
-        torch_muon._zeropower_via_newtonschulz = original
-
-
 def make_optimizer(variant: str, named: list[tuple[str, torch.nn.Parameter]], head_dim: int, qk_clip: bool):
     params = [p for _, p in named]
-    if variant in ("parallel", "repeat", "gather"):
-        groups = [{"params": params, "param_names": [n for n, _ in named], "use_muon": True}]
+    if variant in ("parallel", "repeat", "classic", "gather"):
+        groups = [{"params": params, "param_names": [n for n, _ in named], "use_muon": True,
+                   "ns_method": "classic" if variant == "classic" else "auto"}]
         return Muon(groups, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
                     distributed_mode="gather" if variant == "gather" else "parallel",
                     replica_split="never" if variant == "repeat" else "auto",
@@ -302,7 +266,7 @@ class VariantRun:
         named = build_params(specs, mesh, mesh_names, args.layout, device, args.seed)
         self.named = named
         self.steps_taken = 0
-        qk = variant in ("parallel", "repeat", "gather") and not args.no_qk_clip
+        qk = variant in ("parallel", "repeat", "classic", "gather") and not args.no_qk_clip
         self.opt = make_optimizer(variant, named, args.head_dim, qk)
         self.kwargs = {"qk_logits": qk_logits_for(specs, args.head_dim)} if qk else {}
         self.ns_dtype = resolve_torch_muon_dtype(args.torch_muon_dtype, device) if variant == "torch" else None
@@ -348,7 +312,7 @@ def single_device_deviation(run_: "VariantRun", specs, args, device) -> float:
                    compute_dtype=torch.bfloat16)
     else:
         ref = make_optimizer("parallel" if v in ("repeat", "gather") else v, named, args.head_dim,
-                             bool(run_.kwargs))
+                             bool(run_.kwargs))  # "classic" has its own: the same form on one device
     with torch_muon_ns_dtype(run_.ns_dtype):
         for _ in range(run_.steps_taken):
             ref.step(**run_.kwargs)
@@ -482,11 +446,16 @@ def render_markdown(result: dict) -> str:
         lines.append(f"| {VARIANT_LABELS[v]} | {t['median_s']:.4f} | {t['p25_s']:.4f}–{t['p75_s']:.4f} | "
                      f"{t['min_s']:.4f}–{t['max_s']:.4f} | {ratios[0]} | {ratios[1]} | {dev} |")
     split = result["results"].get("parallel", {})
+    classic = result["results"].get("classic", {})
+    if "time" in split and "time" in classic:
+        lines += ["", f"Newton–Schulz form chosen per shape vs classic only: **{split['time']['median_s'] / classic['time']['median_s']:.2f}x** "
+                  f"(medians; paired {1 / classic['paired_ratio_median']:.2f}x); Newton–Schulz "
+                  f"{sz['ns_gflop_chosen']:.1f} vs {sz['ns_gflop']:.1f} GFLOP per step."]
     repeat = result["results"].get("repeat", {})
     if "time" in split and "time" in repeat:
         lines += ["", f"Split over replicas vs replicas repeating the work: **{split['time']['median_s'] / repeat['time']['median_s']:.2f}x** "
                   f"(medians; paired {1 / repeat['paired_ratio_median']:.2f}x)."]
-    for v in ("parallel", "repeat", "gather"):
+    for v in ("parallel", "repeat", "classic", "gather"):
         per_rank = result["results"].get(v, {}).get("stages_per_rank")
         if not per_rank:
             continue
@@ -565,6 +534,9 @@ def run(args, rank: int, world_size: int, device: torch.device) -> dict | None:
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
     if "dp_replicate" not in mesh_names and "repeat" in variants:
         variants.remove("repeat")  # no replicas: the same as parallel
+    compute = default_compute_dtype(device)
+    if "classic" in variants and all(choose_ns_method(s.shape, 5, "auto", compute) == "classic" for s in specs):
+        variants.remove("classic")  # auto picks classic for every shape here (bf16): the same as parallel
 
     runs, failed = measure(variants, specs, mesh, mesh_names, args, device, world_size)
     for run_ in runs.values():  # collective: every rank takes part, rank 0 keeps the result
@@ -605,6 +577,7 @@ def run(args, rank: int, world_size: int, device: torch.device) -> dict | None:
             params=sum(s.shape[0] * s.shape[1] for s in specs),
             ns_steps=5,
             ns_gflop=sum(newton_schulz_flops(s.shape, 5) for s in specs) / 1e9,
+            ns_gflop_chosen=sum(newton_schulz_flops(s.shape, 5, "auto", compute_dtype) for s in specs) / 1e9,
             dim=args.dim, ffn_dim=args.ffn_dim, layers=args.layers, head_dim=args.head_dim, kv_heads=kv_heads,
         ),
         warmup=args.warmup,

@@ -153,15 +153,16 @@ def test_torch_muon_stand_in_is_torchs_own_in_bf16():
     """The fp32 stand-in differs from torch.optim.Muon's Newton–Schulz only in the cast."""
     import torch.optim._muon as torch_muon
 
-    step_time = _load("step_time")
+    from optimizer.testing import torch_muon_zeropower
+
     coeffs = (3.4445, -4.7750, 2.0315)
     for shape in ((24, 40), (40, 24)):
         G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
         expected = torch_muon._zeropower_via_newtonschulz(G, coeffs, 5, 1e-7)
-        got = step_time._torch_ns_in(torch.bfloat16)(G, coeffs, 5, 1e-7)
+        got = torch_muon_zeropower(torch.bfloat16)(G, coeffs, 5, 1e-7)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
         before = G.clone()
-        step_time._torch_ns_in(torch.float32)(G, coeffs, 5, 1e-7)
+        torch_muon_zeropower(torch.float32)(G, coeffs, 5, 1e-7)
         torch.testing.assert_close(G, before, rtol=0, atol=0)  # the input (momentum buffer) is untouched
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from optimizer.testing import torch_muon_newton_schulz
 from optimizer import Muon
 from optimizer.adamw import adamw_group_step_, adamw_step_, init_adamw_state_
 
@@ -36,6 +37,15 @@ class Net(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
 
 
+
+@pytest.fixture(autouse=True)
+def _torch_muon_in_fp32():
+    """torch.optim.Muon orthogonalises in bf16 and divides by a bf16-rounded norm; ours runs fp32 here
+    (compute_dtype=float32, the classic form), so torch's runs its own iteration in fp32 too: like for
+    like, to float32 rounding (optimizer.testing.torch_muon_newton_schulz)."""
+    with torch_muon_newton_schulz(torch.float32):
+        yield
+
 def split(net):
     muon = [p for p in net.parameters() if p.ndim == 2]
     adamw = [p for p in net.parameters() if p.ndim != 2]
@@ -46,7 +56,7 @@ def ours(net, lr, **kw):
     muon, adamw = split(net)
     groups = [{"params": muon, "use_muon": True}, {"params": adamw, "use_muon": False}]
     return Muon(groups, lr=lr, weight_decay=HP["weight_decay"], momentum=HP["momentum"], nesterov=HP["nesterov"],
-                adjust_lr=HP["adjust_lr"], adamw_betas=BETAS, adamw_eps=EPS, compute_dtype=torch.bfloat16, **kw)
+                adjust_lr=HP["adjust_lr"], adamw_betas=BETAS, adamw_eps=EPS, compute_dtype=torch.float32, ns_method="classic", **kw)
 
 
 def torch_pair(net, lr):

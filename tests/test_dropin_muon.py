@@ -17,11 +17,21 @@ import torch
 from torch import nn
 
 from harness import DistributedTestError, run_ranks
+from optimizer.testing import torch_muon_newton_schulz
 from optimizer import Muon
 
 HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr="match_rms_adamw")
 BETAS, EPS = (0.9, 0.95), 1e-8
 
+
+
+@pytest.fixture(autouse=True)
+def _torch_muon_in_fp32():
+    """torch.optim.Muon orthogonalises in bf16 and divides by a bf16-rounded norm; ours runs fp32 here
+    (compute_dtype=float32, the classic form), so torch's runs its own iteration in fp32 too: like for
+    like, to float32 rounding (optimizer.testing.torch_muon_newton_schulz)."""
+    with torch_muon_newton_schulz(torch.float32):
+        yield
 
 def make_net(seed=3):
     g = torch.Generator().manual_seed(seed)
@@ -48,7 +58,7 @@ def ours(net, **group_kw):
     return Muon([{"params": muon_params(net), "use_muon": True, **muon_kw},
                  {"params": [net["norm"]], "use_muon": False, **adamw_kw}],
                 lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"], nesterov=HP["nesterov"],
-                adjust_lr=HP["adjust_lr"], adamw_betas=BETAS, adamw_eps=EPS, compute_dtype=torch.bfloat16)
+                adjust_lr=HP["adjust_lr"], adamw_betas=BETAS, adamw_eps=EPS, compute_dtype=torch.float32, ns_method="classic")
 
 
 def torch_muon(params):
@@ -138,7 +148,7 @@ def test_muon_group_takes_bf16_grads_of_fp32_params_like_torch_muon():
 
     net, ref_bf16, ref_fp32 = make_net(), make_net(), make_net()
     opt = Muon([{"params": muon_params(net), "use_muon": True}], lr=HP["lr"], weight_decay=HP["weight_decay"],
-               momentum=HP["momentum"], adjust_lr=HP["adjust_lr"], compute_dtype=torch.bfloat16)
+               momentum=HP["momentum"], adjust_lr=HP["adjust_lr"], compute_dtype=torch.float32, ns_method="classic")
     refs = [torch_muon(muon_params(ref_bf16)), torch_muon(muon_params(ref_fp32))]
     for t in range(3):
         bf16_grads(net, t)

@@ -18,9 +18,12 @@ Its default ``spmd_backend="spmd_types"`` does not run on torch 2.13 (FSDP refus
 tensors); ``"partial_dtensor"`` and ``"full_dtensor"`` do.
 
 Models are built from torchtitan's own config helpers (``_build_llama3_layers``,
-``_build_qwen3_moe_layers`` and their init tables, private but pinned with torchtitan==0.3.0),
-with ``fuse_qkv=False`` so that q and k are separate weights (QK-clip). Parallelised with
-torchtitan's ``parallelize_llama`` / ``parallelize_qwen3``.
+``_build_qwen3_moe_layers``, ``_build_dsv3_layers`` and their init tables, private but pinned
+with torchtitan==0.3.0): llama3 with separate ``wq``/``wk``/``wv`` (``"llama3"``) or torchtitan's
+default fused ``wqkv`` (``"llama3_fused"``), qwen3 MoE, and deepseek_v3 (``"deepseek_v3"``: MLA
+with a query LoRA, i.e. ``wq_a``/``wq_b``, YaRN rope so its softmax scale is not ``1/sqrt(d)``,
+one dense and one MoE layer, and one multi-token-prediction layer). Parallelised with
+torchtitan's ``parallelize_llama`` / ``parallelize_qwen3`` / ``parallelize_deepseekv3``.
 """
 
 from __future__ import annotations
@@ -42,13 +45,20 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, parallelize_deepseekv3
 from torchtitan.models.llama3 import Llama3Model, parallelize_llama
 from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
+
+# Model configs' update_from_config imports torchtitan.trainer (which imports `datasets` and
+# pandas: ~3 s). Imported here, once, before the test ranks fork, instead of in every rank.
+import torchtitan.trainer  # noqa: E402,F401
 
 from optimizer.tensors import is_dtensor
 
 VOCAB, DIM, HEADS, KV_HEADS, LAYERS = 128, 64, 4, 2, 2
 HEAD_DIM = DIM // HEADS
+# deepseek_v3 MLA sizes (distinct, so that a mixed-up split shows)
+Q_LORA, KV_LORA, QK_NOPE, QK_ROPE, V_HEAD = 24, 16, 12, 4, 8
 
 
 def use_cpu() -> None:
@@ -74,11 +84,11 @@ def _eager_attention(layers: list) -> list:
     return layers
 
 
-def tiny_llama3() -> Llama3Model.Config:
+def tiny_llama3(fuse_qkv: bool = False) -> Llama3Model.Config:
     from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
 
     layers = _build_llama3_layers(
-        n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=2 * DIM, fuse_qkv=False,
+        n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=2 * DIM, fuse_qkv=fuse_qkv,
         rope=ComplexRoPE.Config(dim=HEAD_DIM, max_seq_len=64, theta=10000.0, scaling="none"), attn_backend="flex",
     )
     return Llama3Model.Config(
@@ -106,9 +116,35 @@ def tiny_qwen3_moe(num_experts: int = 4, top_k: int = 2) -> Qwen3Model.Config:
     )
 
 
+def tiny_deepseek_v3(num_experts: int = 4, top_k: int = 2, num_mtp_layers: int = 1) -> DeepSeekV3Model.Config:
+    from torchtitan.models.deepseek_v3 import _EMBEDDING_INIT, _NORM_INIT, _build_dsv3_layers, _build_mtp_layers, \
+        _output_linear_init
+
+    layers = _build_dsv3_layers(
+        n_layers=LAYERS, n_dense_layers=1, dim=DIM, n_heads=HEADS, q_lora_rank=Q_LORA, kv_lora_rank=KV_LORA,
+        qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=QK_ROPE, v_head_dim=V_HEAD, mscale=0.7,
+        dense_hidden_dim=2 * DIM, moe_hidden_dim=DIM // 2, num_experts=num_experts, num_shared_experts=1,
+        router_top_k=top_k, router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=QK_ROPE, max_seq_len=64, theta=10000.0, scaling="yarn", rope_factor=4.0,
+                                beta_fast=32.0, beta_slow=1.0, original_seq_len=16),
+    )
+    layers = _eager_attention(layers)
+    return DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=layers,
+        mtp_layers=_build_mtp_layers(layers[-1], dim=DIM, num_mtp_layers=num_mtp_layers),
+    )
+
+
 MODELS: dict[str, tuple[Callable, Callable]] = {
     "llama3": (tiny_llama3, parallelize_llama),
+    "llama3_fused": (lambda: tiny_llama3(fuse_qkv=True), parallelize_llama),
     "qwen3_moe": (tiny_qwen3_moe, parallelize_qwen3),
+    "deepseek_v3": (tiny_deepseek_v3, parallelize_deepseekv3),
 }
 
 
@@ -146,6 +182,19 @@ def build(model: str, world_size: int, *, backend: str = "partial_dtensor", seed
     return parallel, full, dims
 
 
+def plain_model(model: str, weights: dict[str, torch.Tensor] | None = None, seed: int = 0) -> nn.Module:
+    """The model on one device (no parallelism), holding copies of ``weights`` (default: initialised with ``seed``)."""
+    config = MODELS[model][0]()
+    config.update_from_config(config=types.SimpleNamespace(parallelism=ParallelismConfig()))
+    torch.manual_seed(seed)
+    plain = config.build()
+    with torch.no_grad():
+        plain.init_weights(buffer_device=torch.device("cpu"))
+        if weights is not None:
+            load_full_weights(plain, weights)
+    return plain
+
+
 def load_full_weights(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
     """Copy full weights into a (possibly sharded) model: each rank keeps its shard."""
     for name, p in model.named_parameters():
@@ -159,20 +208,35 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
-def forward_backward(model: nn.Module, step: int, dims: ParallelDims | None = None, batch: int = 2, seq: int = 8) -> float:
-    """Next-token cross-entropy on a batch drawn from ``step`` (the same on every rank).
+def batch_tokens(step: int, batch: int = 2, seq: int = 8, stream: int = 0) -> torch.Tensor:
+    """``[batch, seq + 1]`` tokens of ``step``; ``stream`` picks an independent batch (e.g. a data-parallel rank's)."""
+    g = torch.Generator().manual_seed(1000 + step + 7919 * stream)
+    return torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
+
+
+def forward_backward(model: nn.Module, step: int, dims: ParallelDims | None = None, batch: int = 2, seq: int = 8,
+                     stream: int = 0) -> float:
+    """Next-token cross-entropy on a batch drawn from ``step`` (the same on every rank unless ``stream`` differs).
 
     Under ``spmd_backend="full_dtensor"`` inputs must be DTensors: they are wrapped as
     torchtitan's trainer wraps them (``full_dtensor.parallelize_inputs``; pass ``dims``).
+    A model with multi-token prediction returns one output per depth; their losses are summed.
     """
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
+    tokens = batch_tokens(step, batch, seq, stream)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     if _dist_utils.get_spmd_backend() == "full_dtensor":
         from torchtitan.distributed import full_dtensor
 
         inputs, labels, _ = full_dtensor.parallelize_inputs(dims, inputs, labels, {})
-    logits = full_tensor(model(inputs))
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), full_tensor(labels).flatten())
+    outputs = model(inputs)
+    labels = full_tensor(labels).flatten()
+    loss = sum(F.cross_entropy(full_tensor(logits).flatten(0, 1).float(), labels)
+               for logits in (outputs if isinstance(outputs, list) else [outputs]))
     loss.backward()
     return loss.item()
+
+
+def data_parallel_rank(dims: ParallelDims) -> int:
+    """This rank's index among the ranks that see different batches (tensor-parallel peers share one)."""
+    mesh = dims.get_optional_mesh("batch")
+    return 0 if mesh is None else mesh.get_local_rank()

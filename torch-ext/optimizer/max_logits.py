@@ -85,6 +85,8 @@ def eager_max_logits(
     group = Hq // Hkv
     if chunk_size is None:
         chunk_size = max(1, DEFAULT_CHUNK_ELEMENTS // max(1, B * Hq * Lk))
+        if is_causal:  # at least 8 chunks, so that the keys no query of a chunk sees are skipped
+            chunk_size = min(chunk_size, max(1, -(-Lq // 8)))
     if attn_mask is not None:
         attn_mask = attn_mask.expand(B, Hq, Lq, Lk)  # a view: nothing materialised
     # GQA without repeating keys: the query heads of a KV group share that group's keys
@@ -93,20 +95,24 @@ def eager_max_logits(
     best = torch.full((Hq,), float("-inf"), device=query.device)
     for start in range(0, Lq, chunk_size):
         stop = min(Lq, start + chunk_size)
+        # Causal (top-left aligned, as SDPA's is_causal): no query of the chunk sees a key past
+        # its last row, so those keys are not multiplied at all (about half the work).
+        seen = min(Lk, stop) if is_causal else Lk
+        keys = kv_idx[:seen]
         q = rearrange(query[:, :, start:stop].to(compute_dtype), "b (kv g) l d -> b kv g l d", g=group)
-        scores = rearrange(torch.matmul(q, k_t).float().mul_(scale), "b kv g l lk -> b (kv g) l lk")
+        scores = rearrange(torch.matmul(q, k_t[..., :seen]).float().mul_(scale), "b kv g l lk -> b (kv g) l lk")
         visible = None
         if is_causal:
             q_idx = torch.arange(start, stop, device=query.device)
-            visible = kv_idx[None, :] <= q_idx[:, None]
+            visible = keys[None, :] <= q_idx[:, None]
         if attn_mask is not None:
-            chunk = attn_mask[:, :, start:stop]
+            chunk = attn_mask[:, :, start:stop, :seen]
             visible = chunk if visible is None else visible & chunk
         if mask_mod is not None:
             b = torch.arange(B, device=query.device).view(B, 1, 1, 1)
             h = torch.arange(Hq, device=query.device).view(1, Hq, 1, 1)
             qi = torch.arange(start, stop, device=query.device).view(1, 1, -1, 1)
-            allowed = torch.as_tensor(mask_mod(b, h, qi, kv_idx.view(1, 1, 1, Lk)), device=query.device)
+            allowed = torch.as_tensor(mask_mod(b, h, qi, keys.view(1, 1, 1, seen)), device=query.device)
             visible = allowed if visible is None else visible & allowed
         if visible is not None:
             scores = scores.masked_fill_(~visible.expand_as(scores), float("-inf"))

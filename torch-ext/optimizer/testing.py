@@ -10,12 +10,15 @@
   still alive (each storage counted once, however many views), on any device.
 * :func:`overlap_seconds` — how long two sets of profiler intervals overlap (e.g.
   all-to-alls on a communication stream or thread and matmuls on the compute one).
+* :func:`torch_muon_newton_schulz` — run ``torch.optim.Muon``'s Newton–Schulz in another
+  dtype, for like-for-like comparisons (torch computes it in bf16, dividing by a bf16 norm).
 
 Used by the tests, ``benchmarks/peak_memory.py`` and ``scripts/gpu_check.sh``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Iterable
 
@@ -120,3 +123,45 @@ def overlap_seconds(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, f
         else:
             j += 1
     return total
+
+
+def torch_muon_zeropower(dtype: torch.dtype):
+    """``torch.optim.Muon``'s Newton–Schulz, line for line, with its bf16 cast changed to ``dtype``."""
+
+    def zeropower(grad, ns_coefficients, ns_steps, eps):
+        a, b, c = ns_coefficients
+        ortho = grad.to(dtype, copy=True)  # copy: div_ below must not touch the momentum buffer
+        if grad.size(0) > grad.size(1):
+            ortho = ortho.T
+        ortho.div_(ortho.norm().clamp(min=eps))
+        for _ in range(ns_steps):
+            gram = ortho @ ortho.T
+            gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            ortho = torch.addmm(ortho, gram_update, ortho, beta=a)
+        if grad.size(0) > grad.size(1):
+            ortho = ortho.T
+        return ortho
+
+    return zeropower
+
+
+@contextlib.contextmanager
+def torch_muon_newton_schulz(dtype: torch.dtype | None):
+    """Inside the block, ``torch.optim.Muon`` orthogonalises in ``dtype`` (None: as shipped, bf16).
+
+    Torch always computes in bf16, which a CPU runs ~100x slower than fp32 and which rounds the
+    normalising norm to bf16; comparing this package's fp32 Muon with torch's in fp32 is like
+    for like.  :func:`torch_muon_zeropower` is the copy (a test checks it against torch's own
+    in bf16).
+    """
+    import torch.optim._muon as torch_muon
+
+    if dtype is None or dtype == torch.bfloat16:
+        yield
+        return
+    original = torch_muon._zeropower_via_newtonschulz
+    torch_muon._zeropower_via_newtonschulz = torch_muon_zeropower(dtype)
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz = original

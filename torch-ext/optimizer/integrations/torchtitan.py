@@ -7,10 +7,11 @@ as a ``torch.optim.Optimizer`` (``step``, ``zero_grad``, hooks), hands it to its
 holding both its Muon groups and its AdamW groups, so torchtitan's scheduler and checkpointing
 work unchanged. In a ``config_registry`` function::
 
-    from optimizer.integrations.torchtitan import MuonOptimizersContainer, default_param_groups
+    from optimizer.integrations.torchtitan import MuonOptimizersContainer, default_param_groups, enable_muonclip
 
     config.optimizer = MuonOptimizersContainer.Config(param_groups=default_param_groups(lr=2e-2))
     config.parallelism.spmd_backend = "partial_dtensor"   # or "full_dtensor"; see below
+    enable_muonclip(config, threshold=100.0)              # optional: QK-clip, max logits recorded
 
 Param groups are torchtitan's ``ParamGroupConfig`` (regex on the parameter FQN, first match
 wins) with ``optimizer_name`` ``"Muon"`` or ``"AdamW"`` and that group's hyperparameters in
@@ -18,11 +19,22 @@ wins) with ``optimizer_name`` ``"Muon"`` or ``"AdamW"`` and that group's hyperpa
 gates, norms and biases to AdamW and every other parameter (2-D weights, 3-D expert stacks) to
 Muon.
 
-QK-clip: torchtitan's attention does not report max logits, so the container asks a callable,
-``qk_logits_fn(model_parts) -> {layer index: per-query-head max logits} | None``, before each
-step (``Config.qk_logits_fn`` as ``"package.module:function"``, or :meth:`set_qk_logits_fn`).
-It needs separate q and k weights: torchtitan fuses them into ``wqkv`` unless the model is
-built with ``fuse_qkv=False``, and such a model is refused when QK-clip is on.
+Fused ``wqkv`` (torchtitan's default ``fuse_qkv=True``): Muon orthogonalises its query, key and
+value rows as three matrices by default (``Config.fused_qkv_orthogonalization="split"``), so
+that fusing stays what torchtitan means it to be, a kernel-launch optimisation with the same
+training maths as separate ``wq``/``wk``/``wv``.
+
+QK-clip (``Config.qk_clip_threshold``): the attention layout of every layer is read from the
+model's attention modules: separate ``wq``/``wk`` (head_dim), torchtitan's fused ``wqkv``
+(``FusedQKV(n_heads, n_kv_heads, head_dim, "grouped")``) or deepseek_v3's multi-head latent
+attention (``MLAHeads(qk_nope_head_dim, qk_rope_head_dim, v_head_dim)``). torchtitan's attention
+does not report its logits, so they come either from :class:`MaxLogitRecorder` (hooks on the
+attention modules that recompute ``max q.k * scale`` per head during the training forward:
+:func:`enable_muonclip`) or from a callable ``qk_logits_fn(model_parts) -> {layer: per-query-head
+max logits} | None`` (``Config.qk_logits_fn`` as ``"package.module:function"``, or
+:meth:`~MuonOptimizersContainer.set_qk_logits_fn`). Layers are keyed by :func:`layer_key`:
+``layers.3....`` is ``3``, deepseek_v3's multi-token-prediction layer ``mtp_layers.0....`` is
+``"mtp_layers.0"``.
 
 Layouts: Muon needs to see the layout of every sharded parameter. torchtitan's
 ``"partial_dtensor"`` and ``"full_dtensor"`` backends give DTensors (FSDP, HSDP, TP with and
@@ -33,10 +45,10 @@ plain parameter whose shape differs from the one the model config declares is re
 
 from __future__ import annotations
 
-import glob
+import dataclasses
 import importlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +58,7 @@ from torch import Tensor, nn
 try:
     from torchtitan.components.checkpointer.utils import canonical_fqn
     from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
-    from torchtitan.distributed.flex_shard import BucketConfig, ComputeLayout, Owned, build_dist_muon
+    from torchtitan.models.common.attention import BaseAttention, FusedQKVLinear
 except ImportError as err:  # pragma: no cover - exercised only where torchtitan is missing
     raise ImportError(
         "optimizer.integrations.torchtitan needs torchtitan 0.3 (pip install torchtitan==0.3.0; install "
@@ -54,17 +66,25 @@ except ImportError as err:  # pragma: no cover - exercised only where torchtitan
         f"`optimizer` package works without it. ({err})"
     ) from err
 
+from ..attention_layouts import FusedQKV, MLAHeads
 from ..muon import Muon
-from ..qk_clip import QKClipConfig, classify_qk_param
+from ..qk_clip import LayerKey, QKClipConfig, QKRole, classify_qk_param
+from ..row_blocks import ROW_BLOCKS_KEY, SplitQKV
 from ..tensors import is_dtensor
 
 __all__ = [
     "ADAMW_PATTERN",
+    "AttentionLayout",
+    "MaxLogitRecorder",
     "MuonOptimizersContainer",
     "QKLogitsFn",
+    "attention_layouts",
     "build_torchtitan_dist_muon",
     "default_param_groups",
+    "enable_muonclip",
     "find_hidden_shards",
+    "install_max_logit_recorder",
+    "layer_key",
 ]
 
 QKLogitsFn = Callable[[list[nn.Module]], Mapping[int, Tensor] | None]
@@ -167,24 +187,136 @@ def _resolve_callable(spec: str) -> Callable:
     return fn
 
 
-def _attention_head_dims(model_parts: Sequence[nn.Module]) -> set[int]:
-    """head_dim of every attention module (torchtitan's GQAttention has ``n_heads`` and ``head_dim``)."""
-    return {
-        int(m.head_dim)
-        for part in model_parts
-        for m in part.modules()
-        if isinstance(getattr(m, "head_dim", None), int) and hasattr(m, "n_heads")
-    }
+# ------------------------------------------------------------ attention layouts of the model
+
+def layer_key(fqn: str) -> LayerKey | None:
+    """The QK-clip layer key of a parameter or module FQN of a torchtitan model.
+
+    ``layers.3.attention.qkv_linear.wqkv.weight -> 3`` (an int, as ``qk_logits`` of the main
+    layers are keyed); a block in another list keeps its list's name, so deepseek_v3's
+    multi-token-prediction layer ``mtp_layers.0.attention.wq_b.weight -> "mtp_layers.0"`` does not
+    collide with ``layers.0``. Wrapper segments (``_orig_mod``, ``_checkpoint_wrapped_module``,
+    ``_fsdp_wrapped_module``) are ignored. None when no component is an integer.
+    """
+    parts = canonical_fqn(fqn).split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return int(part) if parts[:i] == ["layers"] else ".".join(parts[: i + 1])
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class _TorchtitanQKRoles:
+    """``QKClipConfig.classify`` for torchtitan FQNs: roles by the name patterns, layers by :func:`layer_key`.
+
+    A module-level class rather than a closure: picklable, with a readable repr.
+    """
+
+    patterns: QKClipConfig
+
+    def __call__(self, name: str) -> QKRole | None:
+        role = classify_qk_param(name, self.patterns)
+        return None if role is None else (layer_key(name), role[1])
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How one torchtitan attention module lays out its query/key rows.
+
+    ``kind`` is ``"separate"`` (``wq``/``wk``, ``head_dim`` rows per head), ``"fused"``
+    (``FusedQKVLinear.wqkv``: ``fused`` holds its :class:`~optimizer.attention_layouts.FusedQKV`
+    with torchtitan's ``"grouped"`` layout; None for another projection class with a ``wqkv``,
+    whose row order is unknown) or ``"mla"`` (deepseek_v3 ``Attention``: ``mla``).
+    ``fused_weight`` is the FQN of the fused weight (canonical, as param groups name it).
+    ``qk_norm``: q and k are RMS-normalised per head after the projection (qwen3's
+    ``q_norm``/``k_norm``), which undoes any scaling of the projection rows.
+    """
+
+    fqn: str
+    layer: LayerKey | None
+    kind: str
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int | None = None
+    fused: FusedQKV | None = None
+    fused_weight: str | None = None
+    mla: MLAHeads | None = None
+    qk_norm: bool = False
+
+
+def attention_layouts(model_parts: Sequence[nn.Module]) -> list[AttentionLayout]:
+    """Every attention module (torchtitan ``BaseAttention``) of ``model_parts`` and its q/k layout.
+
+    Read from the modules themselves (their ``n_heads``/``n_kv_heads``/``head_dim`` are the
+    config's global values; tensor parallelism does not change them), so pipeline stages,
+    whose parts have no model config, work too.
+
+    torchtitan 0.3's ``FusedQKVLinear`` views ``wqkv``'s output as ``[..., n_kv_heads,
+    n_heads // n_kv_heads + 2, head_dim]`` and splits the second-last dimension into the group's
+    query heads, its key head and its value head: the ``"grouped"`` layout of
+    :class:`~optimizer.attention_layouts.FusedQKV` (tests check it against that module's forward).
+    Another projection class with a ``wqkv`` gets ``fused=None``: QK-clip and split
+    orthogonalisation refuse it rather than guess its row order.
+    """
+    found = []
+    for part in model_parts:
+        for name, m in part.named_modules():
+            if not isinstance(m, BaseAttention):
+                continue
+            fqn = canonical_fqn(name)
+            layer = layer_key(fqn)
+            if all(hasattr(m, a) for a in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "wkv_b")):
+                found.append(AttentionLayout(
+                    fqn, layer, "mla", int(m.n_heads), int(m.n_heads),
+                    mla=MLAHeads(int(m.qk_nope_head_dim), int(m.qk_rope_head_dim), int(m.v_head_dim))))
+                continue
+            qk_norm = getattr(m, "q_norm", None) is not None or getattr(m, "k_norm", None) is not None
+            qkv = getattr(m, "qkv_linear", None)
+            if qkv is not None and hasattr(qkv, "wqkv"):
+                n_heads, n_kv, head_dim = int(m.n_heads), int(m.n_kv_heads), int(m.head_dim)
+                fused = FusedQKV(n_heads, n_kv, head_dim, "grouped") if isinstance(qkv, FusedQKVLinear) else None
+                found.append(AttentionLayout(fqn, layer, "fused", n_heads, n_kv, head_dim, fused=fused,
+                                             fused_weight=f"{fqn}.qkv_linear.wqkv.weight", qk_norm=qk_norm))
+                continue
+            head_dim = getattr(m, "head_dim", None)
+            n_heads = getattr(m, "n_heads", None)
+            if isinstance(head_dim, int) and isinstance(n_heads, int):
+                n_kv = getattr(m, "n_kv_heads", None) or n_heads
+                found.append(AttentionLayout(fqn, layer, "separate", n_heads, int(n_kv), head_dim, qk_norm=qk_norm))
+    return found
+
+
+def _single(values: Iterable, what: str, hint: str):
+    distinct = sorted(set(values), key=repr)
+    if len(distinct) != 1:
+        raise ValueError(
+            f"MuonOptimizersContainer: the model's attention modules have {what} "
+            f"{distinct or 'nowhere'}, not one value; {hint}"
+        )
+    return distinct[0]
+
+
+def _check_known_fused(layouts: Sequence[AttentionLayout], need: str) -> None:
+    unknown = [a.fqn for a in layouts if a.kind == "fused" and a.fused is None]
+    if unknown:
+        raise ValueError(
+            f"MuonOptimizersContainer: {unknown[:3]} project q/k/v with a fused `wqkv` that is not torchtitan's "
+            f"FusedQKVLinear, whose row order ('grouped') is known here; {need}. Build optimizer.Muon with "
+            "QKClipConfig(fused_qkv=FusedQKV(..., layout=...)) and muon_row_blocks by hand for such a model."
+        )
+
+
+FUSED_QKV_ORTHOGONALIZATION = ("split", "per_head", "whole")
 
 
 class MuonOptimizersContainer(OptimizersContainer):
     """torchtitan's optimizer container with one ``optimizer.Muon`` per model part.
 
     Build it from :class:`MuonOptimizersContainer.Config` (the trainer calls
-    ``config.build(model_parts=...)``). ``step()`` fetches QK-clip logits from
-    ``qk_logits_fn`` when QK-clip is on and steps every part's Muon; ``zero_grad``,
-    ``state_dict``/``load_state_dict`` (FQN-keyed, for DCP), step hooks and torchtitan's LR
-    scheduler are those of torchtitan's container.
+    ``config.build(model_parts=...)``). ``step()`` fetches QK-clip logits from the logits source
+    (a :class:`MaxLogitRecorder` or ``qk_logits_fn``) when QK-clip is on and steps every part's
+    Muon; ``zero_grad``, ``state_dict``/``load_state_dict`` (FQN-keyed, for DCP), step hooks and
+    torchtitan's LR scheduler are those of torchtitan's container.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -208,32 +340,43 @@ class MuonOptimizersContainer(OptimizersContainer):
         lookahead: int = 1
         skip_nonfinite: bool = False
 
+        fused_qkv_orthogonalization: str = "split"
+        """How Muon orthogonalises a fused ``wqkv`` (torchtitan's FusedQKVLinear): "split" — its q, k
+        and v rows as three matrices, exactly as separate wq/wk/wv would be (the default: fusing is a
+        kernel-launch optimisation and should not change the training maths); "per_head" — every q, k
+        and v head as its own matrix; "whole" — the fused matrix as one."""
+
         qk_clip_threshold: float | None = None
         """Enable QK-clip with this max-logit threshold (Kimi K2 uses 100)."""
 
         qk_clip_head_dim: int | None = None
-        """Rows per head in q/k weights; None reads it from the model's attention modules."""
+        """Rows per head of separate q/k weights; None reads it from the model's attention modules
+        (fused wqkv and MLA head sizes are always read from them)."""
 
-        qk_clip_q_patterns: tuple[str, ...] = ("wq", "q_proj")
-        qk_clip_k_patterns: tuple[str, ...] = ("wk", "k_proj")
+        qk_clip_q_patterns: tuple[str, ...] | None = None
+        """Name components of query weights; None: ("wq", "q_proj"), or ("wq", "wq_b") for MLA."""
+
+        qk_clip_k_patterns: tuple[str, ...] | None = None
+        """Name components of key weights; None: ("wk", "k_proj"), or ("wkv_b",) for MLA."""
 
         qk_logits_fn: str | None = None
         """"package.module:function" called as fn(model_parts) before each step; returns
-        {layer index: per-query-head max logits (1-D, same on every rank)} or None."""
+        {layer key: per-query-head max logits (1-D, same on every rank)} or None."""
+
+        record_max_logits_every: int | None = None
+        """Take QK-clip's logits from a MaxLogitRecorder that records them during the training
+        forward of every N-th step (other steps do not clip). The recorder needs the trainer's
+        ParallelDims: install_max_logit_recorder (torchtitan's post_optimizer_build_fn, which
+        enable_muonclip sets) attaches it."""
+
+        record_max_logits_dtype: str = "float32"
+        """dtype of the recorder's q.k matmul: "float32" (the max is not rounded) or "bfloat16"
+        (about as fast as the model's own bf16 matmuls; the max is rounded to bf16, ~0.4%)."""
 
     optimizers: list[Muon]
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        if config.implementation != "auto":
-            raise ValueError(
-                f"MuonOptimizersContainer: implementation={config.implementation!r} is not used by Muon, which "
-                "picks AdamW's kernel itself (fused on CUDA, foreach elsewhere); leave it at 'auto'."
-            )
-        if config.compute_dtype is not None and config.compute_dtype not in _DTYPES:
-            raise ValueError(
-                f"MuonOptimizersContainer: compute_dtype must be one of {sorted(_DTYPES)} or None, "
-                f"got {config.compute_dtype!r}"
-            )
+        self._check_config(config)
         hidden = find_hidden_shards(model_parts)
         if hidden:
             raise ValueError(
@@ -244,68 +387,155 @@ class MuonOptimizersContainer(OptimizersContainer):
                 "parallelism.spmd_backend to 'partial_dtensor' or 'full_dtensor'."
             )
         self.model_parts = model_parts
-        self.qk_clip_config = self._qk_clip_config(config, model_parts)
+        layouts = attention_layouts(model_parts)
+        self.qk_clip_config = self._qk_clip_config(config, layouts)
+        self.record_max_logits_every = config.record_max_logits_every
+        self.record_max_logits_dtype = _DTYPES[config.record_max_logits_dtype]
         self._qk_logits_fn: QKLogitsFn | None = None
         if config.qk_logits_fn is not None:
             self.set_qk_logits_fn(_resolve_callable(config.qk_logits_fn))
+        row_blocks = self._fused_row_blocks(config.fused_qkv_orthogonalization, layouts)
 
         self.optimizers = []
-        self._qk_layers: list[set[int]] = []
+        self._qk_layers: list[set] = []
         all_params: list[nn.Parameter] = []
         for part_index, part in enumerate(model_parts):
-            groups = self._muon_param_groups(part, config.param_groups, part_index)
+            groups = self._muon_param_groups(part, config.param_groups, part_index, row_blocks)
+            layers = self._layers_with_q(groups)
             opt = Muon(
                 groups,
                 eps=config.ns_eps,
                 compute_dtype=None if config.compute_dtype is None else _DTYPES[config.compute_dtype],
-                qk_clip=self.qk_clip_config,
+                # a pipeline stage without attention weights clips nothing (the library refuses an
+                # empty QK-clip config); whether the model has any is checked below
+                qk_clip=self.qk_clip_config if layers else None,
                 distributed_mode=config.distributed_mode,
                 chunk_size=config.chunk_size,
                 lookahead=config.lookahead,
                 skip_nonfinite=config.skip_nonfinite,
             )
             self.optimizers.append(opt)
-            self._qk_layers.append(self._layers_with_q(opt))
+            self._qk_layers.append(layers)
             for group in groups:
                 all_params.extend(group["params"])
         if self.qk_clip_config is not None and not any(self._qk_layers):
+            cfg = self.qk_clip_config.classify.patterns
             raise ValueError(
-                "MuonOptimizersContainer: QK-clip is on but no Muon-group parameter is a query weight by the "
-                f"patterns q={config.qk_clip_q_patterns}, k={config.qk_clip_k_patterns}. torchtitan fuses q/k/v "
-                "into one `wqkv` weight unless the model is built with fuse_qkv=False; QK-clip needs them apart."
+                "MuonOptimizersContainer: QK-clip is on but no Muon-group parameter is a query or key weight by "
+                f"the patterns q={cfg.q_patterns}, k={cfg.k_patterns}, qkv={cfg.qkv_patterns}; set "
+                "qk_clip_q_patterns / qk_clip_k_patterns to the names of the model's projections, or move them "
+                "to a Muon param group."
             )
         self._validate_params(all_params)
         self._post_init(all_params)
 
+    @property
+    def qk_layers(self) -> set:
+        """Layer keys of the query/key weights this container clips (over all model parts)."""
+        return set().union(*self._qk_layers)
+
     # ------------------------------------------------------------------ building
 
     @staticmethod
-    def _qk_clip_config(config: Config, model_parts: Sequence[nn.Module]) -> QKClipConfig | None:
+    def _check_config(config: Config) -> None:
+        if config.implementation != "auto":
+            raise ValueError(
+                f"MuonOptimizersContainer: implementation={config.implementation!r} is not used by Muon, which "
+                "picks AdamW's kernel itself (fused on CUDA, foreach elsewhere); leave it at 'auto'."
+            )
+        if config.compute_dtype is not None and config.compute_dtype not in _DTYPES:
+            raise ValueError(
+                f"MuonOptimizersContainer: compute_dtype must be one of {sorted(_DTYPES)} or None, "
+                f"got {config.compute_dtype!r}"
+            )
+        if config.fused_qkv_orthogonalization not in FUSED_QKV_ORTHOGONALIZATION:
+            raise ValueError(
+                "MuonOptimizersContainer: fused_qkv_orthogonalization must be one of "
+                f"{FUSED_QKV_ORTHOGONALIZATION}, got {config.fused_qkv_orthogonalization!r}"
+            )
+        every = config.record_max_logits_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(
+                f"MuonOptimizersContainer: record_max_logits_every must be a positive int (record every N-th "
+                f"step) or None, got {every!r}"
+            )
+        if config.record_max_logits_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                "MuonOptimizersContainer: record_max_logits_dtype must be 'float32' or 'bfloat16', got "
+                f"{config.record_max_logits_dtype!r}"
+            )
         if config.qk_clip_threshold is None:
-            if config.qk_logits_fn is not None:
-                raise ValueError(
-                    "MuonOptimizersContainer: qk_logits_fn is set but qk_clip_threshold is None; set the threshold "
-                    "to enable QK-clip, or drop qk_logits_fn."
-                )
-            return None
-        head_dim = config.qk_clip_head_dim
-        if head_dim is None:
-            dims = _attention_head_dims(model_parts)
-            if len(dims) != 1:
-                raise ValueError(
-                    "MuonOptimizersContainer: set qk_clip_head_dim; the model's attention modules have head_dim "
-                    f"{sorted(dims) or 'nowhere'}, not one value."
-                )
-            head_dim = dims.pop()
-        return QKClipConfig(
-            head_dim=head_dim,
-            threshold=config.qk_clip_threshold,
-            q_patterns=tuple(config.qk_clip_q_patterns),
-            k_patterns=tuple(config.qk_clip_k_patterns),
-        )
+            for name in ("qk_logits_fn", "record_max_logits_every"):
+                if getattr(config, name) is not None:
+                    raise ValueError(
+                        f"MuonOptimizersContainer: {name} is set but qk_clip_threshold is None; set the threshold "
+                        f"to enable QK-clip, or drop {name}."
+                    )
+        if config.qk_logits_fn is not None and every is not None:
+            raise ValueError(
+                "MuonOptimizersContainer: qk_logits_fn and record_max_logits_every are both set; QK-clip takes "
+                "its logits from one source: keep one of them."
+            )
 
     @staticmethod
-    def _muon_param_groups(part: nn.Module, configs: Sequence[ParamGroupConfig], part_index: int) -> list[dict]:
+    def _qk_clip_config(config: Config, layouts: Sequence[AttentionLayout]) -> QKClipConfig | None:
+        if config.qk_clip_threshold is None:
+            return None
+        normed = [a.fqn for a in layouts if a.qk_norm]
+        if normed:
+            raise ValueError(
+                f"MuonOptimizersContainer: QK-clip scales the rows of the query/key projections, but {normed[:3]}"
+                f"{' ...' if len(normed) > 3 else ''} RMS-normalise q and k per head after them (q_norm/k_norm, "
+                "as qwen3 does), which undoes that scaling: QK-clip would change nothing. QK-norm bounds the "
+                "logits itself; leave qk_clip_threshold unset for this model."
+            )
+        kinds = {a.kind for a in layouts}
+        patterns = dict(q_patterns=config.qk_clip_q_patterns, k_patterns=config.qk_clip_k_patterns)
+        if "mla" in kinds:
+            if kinds != {"mla"}:
+                raise ValueError(
+                    "MuonOptimizersContainer: the model mixes multi-head latent attention with other attention "
+                    f"({sorted(kinds)}); one QK-clip config describes one kind. Build optimizer.Muon with "
+                    "QKClipConfig(classify=...) by hand for such a model."
+                )
+            if config.qk_clip_head_dim is not None:
+                raise ValueError(
+                    "MuonOptimizersContainer: qk_clip_head_dim is set, but the model uses multi-head latent "
+                    "attention, whose head sizes are read from its attention modules; leave it None."
+                )
+            mla = _single((a.mla for a in layouts), "MLA head sizes", "QK-clip needs one MLAHeads for every layer.")
+            base = QKClipConfig(threshold=config.qk_clip_threshold, mla=mla, **patterns)
+        else:
+            fused = None
+            if "fused" in kinds:
+                _check_known_fused(layouts, "QK-clip needs the row order of q and k")
+                fused = _single((a.fused for a in layouts if a.kind == "fused"), "fused wqkv layouts",
+                                "QK-clip needs one FusedQKV for every fused layer.")
+            head_dim = config.qk_clip_head_dim
+            if head_dim is None and "separate" in kinds:
+                head_dim = _single((a.head_dim for a in layouts if a.kind == "separate"), "head_dim",
+                                   "set qk_clip_head_dim.")
+            elif head_dim is None and fused is None:
+                raise ValueError(
+                    "MuonOptimizersContainer: set qk_clip_head_dim; the model parts have no torchtitan attention "
+                    "module to read it from."
+                )
+            base = QKClipConfig(head_dim=head_dim, threshold=config.qk_clip_threshold, fused_qkv=fused, **patterns)
+        return dataclasses.replace(base, classify=_TorchtitanQKRoles(base))
+
+    @staticmethod
+    def _fused_row_blocks(mode: str, layouts: Sequence[AttentionLayout]) -> dict[str, Any]:
+        """``{fused weight FQN: row-block spec}`` for Muon's ``muon_row_blocks`` (empty for "whole")."""
+        if mode == "whole":
+            return {}
+        _check_known_fused(layouts, f"fused_qkv_orthogonalization={mode!r} needs the row order of q, k and v "
+                                    "(or set it to 'whole')")
+        return {a.fused_weight: a.fused if mode == "split" else SplitQKV(a.fused, per_head=True)
+                for a in layouts if a.kind == "fused"}
+
+    @staticmethod
+    def _muon_param_groups(part: nn.Module, configs: Sequence[ParamGroupConfig], part_index: int,
+                           row_blocks: Mapping[str, Any]) -> list[dict]:
         """Muon param groups for one model part: torchtitan's first-match-wins regex grouping."""
         claimed: set[int] = set()
         groups = []
@@ -331,12 +561,13 @@ class MuonOptimizersContainer(OptimizersContainer):
                     f"part {part_index}; remove it or fix the pattern."
                 )
             claimed.update(id(p) for _, p in matched)
-            groups.append({
-                "params": [p for _, p in matched],
-                "param_names": [canonical_fqn(n) for n, _ in matched],
-                "use_muon": pg.optimizer_name == "Muon",
-                **pg.optimizer_kwargs,
-            })
+            names = [canonical_fqn(n) for n, _ in matched]
+            group = {"params": [p for _, p in matched], "param_names": names,
+                     "use_muon": pg.optimizer_name == "Muon", **pg.optimizer_kwargs}
+            blocks = {n: row_blocks[n] for n in names if n in row_blocks}
+            if group["use_muon"] and blocks:
+                group[ROW_BLOCKS_KEY] = blocks
+            groups.append(group)
         missing = [canonical_fqn(n) for n, p in named if id(p) not in claimed]
         if missing:
             raise ValueError(
@@ -346,35 +577,31 @@ class MuonOptimizersContainer(OptimizersContainer):
             )
         return groups
 
-    def _layers_with_q(self, opt: Muon) -> set[int]:
-        """Layers whose query weight is in one of ``opt``'s Muon groups; each must have its key weight too."""
+    def _layers_with_q(self, groups: Sequence[dict]) -> set:
+        """Layers with a query, key or fused weight among ``groups``' parameters.
+
+        That every such layer has both its query and its key weight, in Muon groups, is checked
+        by Muon itself when it is built (one error naming the weights).
+        """
         if self.qk_clip_config is None:
             return set()
-        roles: dict[int, set[str]] = {}
-        for group in opt.param_groups:
-            if group["use_muon"]:
-                for name in group["param_names"]:
-                    role = classify_qk_param(name, self.qk_clip_config)
-                    if role is not None:
-                        roles.setdefault(role[0], set()).add(role[1])
-        lonely = sorted(layer for layer, kinds in roles.items() if kinds == {"q"})
-        if lonely:
-            raise ValueError(
-                f"MuonOptimizersContainer: QK-clip found query weights but no key weight in layers {lonely} "
-                f"(k patterns {self.qk_clip_config.k_patterns}); clipping queries alone is not QK-clip. "
-                "Multi-head latent attention (deepseek_v3's wkv_b holds keys and values together) is not "
-                "supported; for GQA set qk_clip_k_patterns to the key projection's name."
-            )
-        return {layer for layer, kinds in roles.items() if "q" in kinds}
+        return {role[0] for group in groups for name in group["param_names"]
+                for role in [self.qk_clip_config.classify(name)] if role is not None}
 
     # ------------------------------------------------------------------ stepping
 
     def set_qk_logits_fn(self, fn: QKLogitsFn | None) -> None:
-        """Where QK-clip logits come from: ``fn(model_parts) -> {layer: logits} | None``, called before each step."""
+        """Where QK-clip logits come from: ``fn(model_parts) -> {layer: logits} | None``, called before each step.
+
+        A :class:`MaxLogitRecorder` this replaces has its hooks removed.
+        """
         if fn is not None and not callable(fn):
             raise ValueError(f"MuonOptimizersContainer: qk_logits_fn must be callable, got {fn!r}")
         if fn is not None and self.qk_clip_config is None:
             raise ValueError("MuonOptimizersContainer: QK-clip is off (qk_clip_threshold=None); no logits are used.")
+        old = self._qk_logits_fn
+        if isinstance(old, MaxLogitRecorder) and old is not fn:
+            old.remove()
         self._qk_logits_fn = fn
 
     def step(self, closure: Callable[[], float] | None = None) -> None:
@@ -383,86 +610,23 @@ class MuonOptimizersContainer(OptimizersContainer):
         logits = None
         if self.qk_clip_config is not None:
             if self._qk_logits_fn is None:
-                raise RuntimeError(
-                    "MuonOptimizersContainer.step: QK-clip is on but no logits source is set; set "
-                    "Config.qk_logits_fn or call set_qk_logits_fn(fn)."
+                how = (
+                    "record_max_logits_every is set, so install the recorder: install_max_logit_recorder(container, "
+                    "model_parts, parallel_dims) (enable_muonclip(config) makes torchtitan's trainer call it as "
+                    "model_spec.post_optimizer_build_fn)"
+                    if self.record_max_logits_every is not None
+                    else "set Config.qk_logits_fn or call set_qk_logits_fn(fn)"
                 )
+                raise RuntimeError(f"MuonOptimizersContainer.step: QK-clip is on but no logits source is set; {how}.")
             logits = self._qk_logits_fn(self.model_parts)
         for opt, layers in zip(self.optimizers, self._qk_layers):
             # each model part (pipeline stage) clips only its own layers
-            opt.step(qk_logits=None if logits is None else {k: v for k, v in logits.items() if k in layers})
+            opt.step(qk_logits=None if logits is None or not layers else
+                     {k: v for k, v in logits.items() if k in layers})
         return None
 
 
-# ----------------------------------------------------------------------- torchtitan's own Muon
-
-def dist_muon_compute_layouts(named_params: Sequence[tuple[str, Tensor]]) -> dict[str, Any]:
-    """The compute layout torchtitan's DistMuon needs per parameter, chosen like its Kimi recipe.
-
-    2-D weights: ``Owned()`` (one owner rank orthogonalises the whole matrix) on every mesh axis
-    the weight is sharded over; 3-D expert stacks ``[E, out, in]``: ``Shard(0)`` (whole experts
-    per rank). DistMuon does not support ``_StridedShard`` (torchtitan TODO #3353: TP with
-    FSDP), so such parameters are refused here.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    layouts = {}
-    for name, p in named_params:
-        if not is_dtensor(p) or p.device_mesh.mesh_dim_names is None:
-            raise ValueError(f"torchtitan's DistMuon needs DTensors on a mesh with named axes; '{name}' is not one")
-        if any(isinstance(pl, _StridedShard) for pl in p.placements):
-            raise ValueError(
-                f"torchtitan's DistMuon does not support _StridedShard ('{name}' has {tuple(p.placements)}, "
-                "from TP combined with FSDP)"
-            )
-        if p.ndim not in (2, 3):
-            raise ValueError(f"torchtitan's DistMuon handles 2-D and 3-D weights; '{name}' has shape {tuple(p.shape)}")
-        sharded_axes = [ax for ax, pl in zip(p.device_mesh.mesh_dim_names, p.placements) if pl.is_shard()]
-        if p.ndim == 3:
-            spec = {ax: Shard(0) for ax in sharded_axes}
-        else:
-            spec = {ax: Owned() for ax in sharded_axes}
-        layouts[name] = ComputeLayout(shardings_by_mesh_axis=spec or {p.device_mesh.mesh_dim_names[0]: Replicate()})
-    return layouts
-
-
-def build_torchtitan_dist_muon(
-    named_params: Sequence[tuple[str, Tensor]],
-    *,
-    lr: float,
-    weight_decay: float = 0.1,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    adjust_lr: str = "match_rms_adamw",
-) -> torch.optim.Optimizer:
-    """torchtitan's own distributed Muon (``torchtitan.distributed.flex_shard.DistMuon``) on ``named_params``.
-
-    For comparisons (benchmarks/step_time.py): the same hyperparameters as ``optimizer.Muon``
-    with ``ns_coefficients="fixed"``. DistMuon runs only with one CUDA device per process and
-    bf16 Newton–Schulz; on other devices this raises RuntimeError before building anything.
-    """
-    devices = {(p.to_local() if is_dtensor(p) else p).device.type for _, p in named_params}
-    if devices != {"cuda"}:
-        raise RuntimeError(
-            f"torchtitan's DistMuon runs only on CUDA (one device per process); these parameters are on {sorted(devices)}"
-        )
-    if adjust_lr not in ("match_rms_adamw", "original"):
-        raise ValueError(f"adjust_lr must be 'match_rms_adamw' or 'original' for DistMuon, got {adjust_lr!r}")
-    layouts = dist_muon_compute_layouts(named_params)
-    # A bucket must resolve to one transport group: one bucket per set of mesh axes sharded over.
-    buckets: dict[tuple[str, ...], list[str]] = {}
-    for name, _ in named_params:
-        buckets.setdefault(tuple(layouts[name].shardings_by_mesh_axis), []).append(glob.escape(name))
-    return build_dist_muon(
-        [{"params": [p for _, p in named_params], "param_names": [n for n, _ in named_params]}],
-        compute_sharding_by_fqn=layouts,
-        bucket_configs=tuple(BucketConfig(patterns=tuple(names), name="-".join(axes)) for axes, names in buckets.items()),
-        lr=lr,
-        weight_decay=weight_decay,
-        momentum=momentum,
-        nesterov=nesterov,
-        ns_steps=ns_steps,
-        adjust_lr_fn=adjust_lr,
-    )
+# The recorder and torchtitan's own Muon live in modules of their own; they are part of
+# this adapter's interface.
+from .torchtitan_dist_muon import build_torchtitan_dist_muon, dist_muon_compute_layouts  # noqa: E402
+from .torchtitan_max_logits import MaxLogitRecorder, enable_muonclip, install_max_logit_recorder  # noqa: E402
