@@ -7,11 +7,12 @@ the file and the offending key, and says what to do.
 Sections (all keys optional unless noted; unknown keys are errors)::
 
     [mesh]       dp_replicate, dp_shard, tp, ep      degrees, default 1
-    [model]      fields of examples.model.ModelArgs
+    [model]      fields of examples.model.ModelArgs (attention = "gqa" | "fused_qkv" | "mla")
     [train]      steps, lr, weight_decay, momentum, seed, batch_size, seq_len,
                  warmup_steps, schedule ("constant" | "cosine"), log_every, eval_every
     [data]       source ("synthetic" | "stdlib"), val_sequences
-    [qk_clip]    enabled, threshold, head_dim (defaults to model.head_dim)
+    [qk_clip]    enabled, threshold, head_dim (defaults to model.head_dim; not with MLA)
+    [muon]       row_blocks ("none" | "qkv" | "heads")
     [compare]    adamw_lr, check_steps       (read by examples/main_job.py only)
     [placements] "name-glob" = ["Shard(1)", "Replicate()", "_StridedShard(0, sf=2)", ...]
 
@@ -22,6 +23,18 @@ allows ``eval_every`` (validation loss every that many steps, on
 ``[compare]`` is the main job's: the learning rate of the AdamW-only run (the
 Muon run uses ``train.lr``) and how many of the Muon run's first steps are
 checked against single-device Muon.
+
+``[model] attention`` picks the attention (``examples/model.py``); the MLA sizes
+(``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+``v_head_dim``, ``rope_theta``) are refused unless it is ``"mla"``, and
+``n_kv_heads``/``head_dim`` when it is.  QK-clip follows the attention:
+``QKClipConfig(head_dim=...)``, ``(fused_qkv=FusedQKV(..., "grouped"))`` or
+``(mla=MLAHeads(...))``.  ``[muon] row_blocks`` declares split
+orthogonalisation (Muon's ``"muon_row_blocks"`` param-group key): ``"qkv"``
+orthogonalises the q, k and v rows of a fused ``wqkv`` as three matrices (fused
+attention only); ``"heads"`` every attention head of the q/k/v projections on its
+own (``wq``/``wk``/``wv`` per head; ``wqkv`` per q, k, v head; MLA's ``wq``/``wq_b``
+and ``wkv_b`` per head); ``"none"`` (default) whole matrices.
 
 Mesh dims with degree > 1 form the device mesh, in the order
 ``dp_replicate, dp_shard, ep, tp``.  Without ``[placements]`` the model is
@@ -46,7 +59,7 @@ import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .model import ModelArgs, Transformer
+from .model import HEAD_FIELDS, MLA_FIELDS, ModelArgs, Transformer
 
 # Mesh dims in mesh order; a dim appears in the mesh only when its degree is > 1.
 MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "tp")
@@ -78,6 +91,7 @@ class MeshConfig:
 
 SCHEDULES = ("constant", "cosine")
 DATA_SOURCES = ("synthetic", "stdlib")
+ROW_BLOCKS = ("none", "qkv", "heads")
 
 
 @dataclass(frozen=True)
@@ -117,6 +131,11 @@ class QKClipSettings:
 
 
 @dataclass(frozen=True)
+class MuonSettings:
+    row_blocks: str = "none"  # "none" | "qkv" | "heads": see the module docstring
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -125,6 +144,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     qk_clip: QKClipSettings = field(default_factory=QKClipSettings)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    muon: MuonSettings = field(default_factory=MuonSettings)
     # Solver-style plan: (name glob, placements per mesh dim), in file order; None
     # when the model is parallelized with fully_shard / parallelize_module.
     placements: tuple[tuple[str, tuple[Placement, ...]], ...] | None = None
@@ -203,7 +223,7 @@ def build_config(raw: dict, name: str, world_size: int | None = None, where: str
     def fail(key: str, msg: str) -> ConfigError:
         return ConfigError(f"{where}: [{key}] {msg}" if "." not in key else f"{where}: {key}: {msg}")
 
-    sections = {"mesh", "model", "train", "data", "qk_clip", "compare", "placements"}
+    sections = {"mesh", "model", "train", "data", "qk_clip", "compare", "muon", "placements"}
     for key in raw:
         if key not in sections:
             raise fail(key, f"unknown section; expected one of {sorted(sections)}")
@@ -217,8 +237,18 @@ def build_config(raw: dict, name: str, world_size: int | None = None, where: str
         raise fail("mesh", f"degrees multiply to {mesh.world_size} ({product}) but the world size is "
                    f"{world_size}; launch {mesh.world_size} processes or change the degrees")
 
+    model_table = raw.get("model", {})
+    if isinstance(model_table, dict):
+        attention = model_table.get("attention", ModelArgs.attention)
+        unused = [k for k in (HEAD_FIELDS if attention == "mla" else MLA_FIELDS if attention in
+                              ("gqa", "fused_qkv") else ()) if k in model_table]
+        if unused:
+            what = ("MLA has one key per query head and its own head sizes (qk_nope_head_dim, "
+                    "qk_rope_head_dim, v_head_dim)" if attention == "mla"
+                    else "they size multi-head latent attention only")
+            raise fail(f"model.{unused[0]}", f"is not used with attention = \"{attention}\": {what}; remove it")
     try:
-        model = _dataclass_from(ModelArgs, raw.get("model", {}), "model", fail)
+        model = _dataclass_from(ModelArgs, model_table, "model", fail)
     except ValueError as e:  # ModelArgs.__post_init__ names the field
         if isinstance(e, ConfigError):
             raise
@@ -227,6 +257,7 @@ def build_config(raw: dict, name: str, world_size: int | None = None, where: str
     data = _dataclass_from(DataConfig, raw.get("data", {}), "data", fail)
     qk_clip = _dataclass_from(QKClipSettings, raw.get("qk_clip", {}), "qk_clip", fail)
     compare = _dataclass_from(CompareConfig, raw.get("compare", {}), "compare", fail)
+    muon = _dataclass_from(MuonSettings, raw.get("muon", {}), "muon", fail)
 
     for key in ("steps", "batch_size", "seq_len", "log_every"):
         if getattr(train, key) < 1:
@@ -251,6 +282,14 @@ def build_config(raw: dict, name: str, world_size: int | None = None, where: str
                    "validation split); set eval_every = 0 or change the source")
     if data.val_sequences < 1:
         raise fail("data.val_sequences", f"must be >= 1, got {data.val_sequences}")
+    if muon.row_blocks not in ROW_BLOCKS:
+        raise fail("muon.row_blocks", f"must be one of {list(ROW_BLOCKS)}, got {muon.row_blocks!r}")
+    if muon.row_blocks == "qkv" and model.attention != "fused_qkv":
+        raise fail("muon.row_blocks", f"\"qkv\" splits a fused wqkv, but model.attention is "
+                   f"{model.attention!r}; use \"heads\" or \"none\", or attention = \"fused_qkv\"")
+    if qk_clip.head_dim is not None and model.attention == "mla":
+        raise fail("qk_clip.head_dim", "is not used with attention = \"mla\" (QK-clip takes the MLA head "
+                   "sizes from [model]); remove it")
     if qk_clip.head_dim is not None and qk_clip.head_dim != model.head_dim:
         raise fail("qk_clip.head_dim", f"is {qk_clip.head_dim} but model.head_dim is {model.head_dim}; "
                    "omit it or make them equal")
@@ -264,7 +303,7 @@ def build_config(raw: dict, name: str, world_size: int | None = None, where: str
         if mesh.dp_replicate > 1 and mesh.dp_shard == 1:
             raise fail("mesh.dp_replicate", "needs dp_shard > 1 (HSDP); pure replication is not supported")
         if mesh.tp > 1:
-            for key in ("n_heads", "n_kv_heads"):
+            for key in ("n_heads",) if model.attention == "mla" else ("n_heads", "n_kv_heads"):
                 if getattr(model, key) % mesh.tp:
                     raise fail(f"model.{key}", f"{getattr(model, key)} is not divisible by mesh.tp="
                                f"{mesh.tp}; tensor parallelism splits whole heads")
@@ -286,7 +325,7 @@ def build_config(raw: dict, name: str, world_size: int | None = None, where: str
         raise fail("data.val_sequences", f"{data.val_sequences} is not divisible by the {dp} data-parallel "
                    "ranks; every rank evaluates an equal slice")
     return RunConfig(name=name, mesh=mesh, model=model, train=train, data=data, qk_clip=qk_clip,
-                     compare=compare, placements=placements)
+                     compare=compare, muon=muon, placements=placements)
 
 
 def _dataclass_from(cls, values, section: str, fail):

@@ -1,8 +1,11 @@
 """Parallelize the example transformer per a :class:`RunConfig`, with the real APIs.
 
-- ``tp``: ``parallelize_module`` with torchtitan's Llama plan (colwise q/k/v and
-  w1/w3, rowwise o and w2, colwise lm_head), local outputs; no sequence
-  parallelism, and the embedding stays replicated over ``tp``.
+- ``tp``: ``parallelize_module`` with torchtitan's plans (colwise q/k/v, or the
+  fused ``wqkv``, or MLA's ``wq``/``wq_b`` and ``wkv_b`` as in torchtitan's
+  deepseek_v3; colwise w1/w3; rowwise o and w2; colwise lm_head), local outputs;
+  no sequence parallelism.  The embedding and MLA's low-rank ``wq_a``, ``q_norm``,
+  ``wkv_a``, ``kv_norm`` stay replicated over ``tp`` (plain tensors whose
+  gradients come out summed over ``tp``, see ``examples.model.MLAttention``).
 - ``ep``: the MoE expert weights become DTensors sharded on the expert dim (dim 0)
   over the ``ep`` mesh dim; the rest of the model is replicated over ``ep``
   (ep peers see the same data, like TP peers).  FSDP then shards experts on dim 1
@@ -26,18 +29,20 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.func import functional_call
 
+from optimizer.max_logits import mesh_groups
+
 from .config import RunConfig
 from .model import Transformer
 
 
-def build_mesh(cfg: RunConfig) -> DeviceMesh | None:
-    """The CPU device mesh of a config (dims with degree > 1), or None for one rank."""
+def build_mesh(cfg: RunConfig, device_type: str = "cpu") -> DeviceMesh | None:
+    """The device mesh of a config (dims with degree > 1), or None for one rank."""
     if cfg.world_size == 1:
         return None
     if not dist.is_initialized() or dist.get_world_size() != cfg.world_size:
         got = dist.get_world_size() if dist.is_initialized() else "no process group"
         raise RuntimeError(f"config {cfg.name!r} needs world size {cfg.world_size}, got {got}")
-    return init_device_mesh("cpu", cfg.mesh.shape, mesh_dim_names=cfg.mesh.dim_names)
+    return init_device_mesh(device_type, cfg.mesh.shape, mesh_dim_names=cfg.mesh.dim_names)
 
 
 def data_parallel_rank_and_size(mesh: DeviceMesh | None, cfg: RunConfig) -> tuple[int, int]:
@@ -54,14 +59,20 @@ def data_parallel_rank_and_size(mesh: DeviceMesh | None, cfg: RunConfig) -> tupl
     return rank, size
 
 
-def tp_group(mesh: DeviceMesh | None, cfg: RunConfig) -> dist.ProcessGroup | None:
-    """The process group over which attention heads are split (for ``collect_qk_logits``).
+def max_logit_groups(
+    mesh: DeviceMesh | None, cfg: RunConfig
+) -> tuple[dist.ProcessGroup | None, tuple[dist.ProcessGroup, ...]]:
+    """``(tp_group, dp_groups)`` for ``collect_qk_logits`` / ``gather_max_logits``.
 
-    None when heads are not split: no ``tp`` dim, or solver mode (full-tensor compute).
+    Heads are split over ``tp``; the batch over ``dp_replicate`` and ``dp_shard``
+    (``ep`` peers see the same data, like ``tp`` peers).  Solver mode computes on full
+    tensors: no rank splits heads, and every rank takes its own slice of the batch.
     """
-    if mesh is None or cfg.placements is not None or "tp" not in cfg.mesh.dim_names:
-        return None
-    return mesh["tp"].get_group()
+    if mesh is None:
+        return None, ()
+    if cfg.placements is not None:
+        return None, (dist.group.WORLD,)
+    return mesh_groups(mesh, tp_dim="tp", dp_dims=("dp_replicate", "dp_shard"))
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh | None, cfg: RunConfig) -> Transformer:
@@ -81,24 +92,39 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, cfg: RunConfig) -> 
     return model
 
 
+def attention_tp_plan(model: Transformer) -> dict:
+    """Column-wise for the weights that make per-head queries, keys and values (whole heads
+    per rank), row-wise for ``wo``; per ``ModelArgs.attention``."""
+    args = model.args
+    if args.attention == "gqa":
+        colwise = ("wq", "wk", "wv")
+    elif args.attention == "fused_qkv":
+        colwise = ("wqkv",)  # "grouped" layout: contiguous rows hold whole key/value groups
+    else:  # mla, torchtitan's deepseek_v3 plan; wq_a/q_norm/wkv_a/kv_norm stay replicated
+        colwise = ("wq" if args.q_lora_rank == 0 else "wq_b", "wkv_b")
+    plan = {f"attention.{name}": ColwiseParallel() for name in colwise}
+    plan["attention.wo"] = RowwiseParallel()
+    return plan
+
+
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     # The embedding stays replicated: under a rowwise-sharded nn.Embedding, torch
     # 2.13 returns a Replicate() gradient for a Shard(0) weight (shapes differ).
     parallelize_module(model, tp_mesh, {"output": ColwiseParallel(output_layouts=Replicate())})
+    attention_plan = attention_tp_plan(model)
     for layer in model.layers:
         parallelize_module(
             layer,
             tp_mesh,
             {
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(),
+                **attention_plan,
                 "feed_forward.w1": ColwiseParallel(),
                 "feed_forward.w3": ColwiseParallel(),
                 "feed_forward.w2": RowwiseParallel(),
             },
         )
+        if model.args.attention == "mla":  # the shared rotary key's gradient: summed over tp
+            layer.attention.tp_mesh = tp_mesh
 
 
 def shard_experts(model: Transformer, ep_mesh: DeviceMesh) -> None:

@@ -1,8 +1,13 @@
 """Train the example transformer with distributed Muon, checked against single-device Muon.
 
     torchrun --nproc-per-node N examples/train.py --config configs/<name>.toml [--steps K]
-        [--no-qk-clip] [--distributed-mode parallel|gather] [--check] [--summary-out PATH]
+        [--no-qk-clip] [--distributed-mode parallel|gather] [--check] [--tolerance T]
+        [--device cpu|cuda] [--compute-dtype fp32|bf16] [--summary-out PATH]
     python examples/train.py [--config configs/base.toml]        # 1-rank configs, no torchrun
+
+``--device cuda``: NCCL, each rank on ``cuda:LOCAL_RANK`` (the model, the data
+and the lockstep reference); ``cpu`` (default): gloo.  ``--compute-dtype``: the
+Newton–Schulz dtype of both the distributed optimizer and the reference.
 
 Every rank builds the same model from the config's seed and parallelizes it per
 the config.  Each step takes a deterministic global batch (``[data] source``: the
@@ -38,21 +43,41 @@ if __package__ in (None, ""):  # run as a script: make `examples` and `optimizer
     _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path[:0] = [_ROOT, os.path.join(_ROOT, "torch-ext")]
 
-from optimizer import Muon, QKClipConfig, get_default_muon_param_groups  # noqa: E402
+from optimizer import Muon  # noqa: E402
 
 from examples import data  # noqa: E402
 from examples.config import ConfigError, RunConfig, load_config  # noqa: E402
 from examples.model import build_model, collect_qk_logits  # noqa: E402
+from examples.muon_setup import muon_param_groups, qk_clip_config  # noqa: E402
 from examples.parallelize import (  # noqa: E402
     build_mesh,
     data_parallel_rank_and_size,
+    max_logit_groups,
     parallelize,
-    tp_group,
 )
 
-# fp32 on CPU: the optimizer's result on shards must match the single-device one
-# up to reduction-order noise.
+# fp32: the optimizer's result on shards must match the single-device one up to
+# reduction-order noise (measured: exactly 0 on CPU).
 DEFAULT_TOLERANCE = 1e-5
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# bf16 Newton–Schulz, per checked step.  Both sides orthogonalise the same momentum in
+# bf16, so they can differ only where the distributed run batches matrices or orders a
+# reduction differently (on CPU they measure exactly 0).  Measured (CPU, the configs'
+# Muon matrices, tests/test_train_flags.py): reordering the columns of a bf16 Newton–Schulz
+# input (the reduction dim of G G^T) moves an output element by up to 7.8e-3 (a few bf16
+# ulps); times each matrix's adjusted lr that is at most 2.6e-4 of a parameter per step
+# (20 Gaussian inputs per shape).  Such differences add up at most linearly over the
+# steps: the reference is fed the distributed run's gradients and qk_logits, so they
+# never feed back.
+BF16_TOLERANCE_PER_STEP = 5e-4
+
+
+def tolerance_for(compute_dtype: torch.dtype | None, checked_steps: int) -> float:
+    """The ``--check`` tolerance for a Newton–Schulz compute dtype (None: fp32): 1e-5 in fp32,
+    ``BF16_TOLERANCE_PER_STEP`` per checked step in bf16."""
+    if compute_dtype == torch.bfloat16:
+        return BF16_TOLERANCE_PER_STEP * max(checked_steps, 1)
+    return DEFAULT_TOLERANCE
 
 
 # AdamW's moment decay rates and epsilon, shared by the AdamW-only baseline and
@@ -92,18 +117,21 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str)
     return COSINE_FLOOR + (1 - COSINE_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def make_optimizer(model, cfg: RunConfig, use_qk_clip: bool, distributed_mode: str) -> Muon:
-    """Muon for the matrices, AdamW (inside Muon) for the rest, at ``cfg.train.lr``."""
-    qk = QKClipConfig(head_dim=cfg.model.head_dim, threshold=cfg.qk_clip.threshold) if use_qk_clip else None
+def make_optimizer(model, cfg: RunConfig, use_qk_clip: bool, distributed_mode: str,
+                   compute_dtype: torch.dtype | None = None) -> Muon:
+    """Muon for the matrices (row blocks per ``[muon]``), AdamW (inside Muon) for the rest,
+    at ``cfg.train.lr``; QK-clip for the config's attention; Newton–Schulz in
+    ``compute_dtype`` (None: fp32)."""
     return Muon(
-        get_default_muon_param_groups(model),
+        muon_param_groups(model, cfg),
         lr=cfg.train.lr,
         weight_decay=cfg.train.weight_decay,
         momentum=cfg.train.momentum,
         adamw_betas=ADAMW_BETAS,
         adamw_eps=ADAMW_EPS,
-        qk_clip=qk,
+        qk_clip=qk_clip_config(cfg) if use_qk_clip else None,
         distributed_mode=distributed_mode,
+        compute_dtype=compute_dtype or torch.float32,
     )
 
 
@@ -135,6 +163,8 @@ def train(
     optimizer: str = "muon",
     check_steps: int | None = None,
     label: str | None = None,
+    device: torch.device | str = "cpu",
+    compute_dtype: torch.dtype | None = None,
 ) -> dict:
     """Run the training loop on this rank; returns the summary (same on every rank).
 
@@ -142,7 +172,7 @@ def train(
     rank of the config's world must call it.
     """
     run = Run(cfg, steps, use_qk_clip, distributed_mode, log, optimizer=optimizer,
-              check_steps=check_steps, label=label)
+              check_steps=check_steps, label=label, device=device, compute_dtype=compute_dtype)
     while not run.done:
         run.step()
     return run.summary()
@@ -158,14 +188,17 @@ class Run:
     the deviation is measured after the last checked step.  Validation loss is
     measured before the first step, every ``cfg.train.eval_every`` steps and after
     the last.  Step times cover forward, backward and the optimizer step (not the
-    reference, validation or logging) and are averaged over ranks.
+    reference, validation or logging) and are averaged over ranks.  ``device``: where
+    the model, the data and the reference live (the process group must suit it: gloo
+    for CPU, NCCL for CUDA); ``compute_dtype``: Muon's Newton–Schulz dtype (None: fp32).
 
     Collective: every method is, with a process group.
     """
 
     def __init__(self, cfg: RunConfig, steps: int | None = None, use_qk_clip: bool | None = None,
                  distributed_mode: str = "parallel", log=print, *, optimizer: str = "muon",
-                 check_steps: int | None = None, label: str | None = None):
+                 check_steps: int | None = None, label: str | None = None,
+                 device: torch.device | str = "cpu", compute_dtype: torch.dtype | None = None):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         self.cfg = cfg
@@ -178,19 +211,22 @@ class Run:
         self.label, self.log = label or optimizer, log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.device, self.compute_dtype = torch.device(device), compute_dtype
 
-        mesh = build_mesh(cfg)
-        self.model = parallelize(build_model(cfg.model, cfg.train.seed), mesh, cfg)
+        mesh = build_mesh(cfg, self.device.type)
+        # Built on the CPU (the seeded init is the same everywhere), then moved.
+        self.model = parallelize(build_model(cfg.model, cfg.train.seed).to(self.device), mesh, cfg)
         self.opt = self._make_optimizer(self.model)
         self.schedule = self._make_schedule(self.opt)
         self.dp_rank, self.dp_size = data_parallel_rank_and_size(mesh, cfg)
-        self.heads_group = tp_group(mesh, cfg)
-        self.reference = (LockstepReference(cfg, self._make_optimizer, self._make_schedule, self.rank)
+        self.tp_group, self.dp_groups = max_logit_groups(mesh, cfg)
+        self.reference = (LockstepReference(cfg, self._make_optimizer, self._make_schedule, self.rank, self.device)
                           if self.check_steps > 0 else None)
         self.deviations: dict[str, float] = {}
         self.val_tokens = None
         if cfg.train.eval_every:
-            self.val_tokens = data.val_batch(data.load_stdlib_corpus(), cfg.data.val_sequences, cfg.train.seq_len)
+            self.val_tokens = data.val_batch(data.load_stdlib_corpus(), cfg.data.val_sequences,
+                                             cfg.train.seq_len).to(self.device)
 
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
         self.losses, self.step_times, self.clipped, self.max_logits, self.evals = [], [], [], [], []
@@ -202,7 +238,7 @@ class Run:
     def _make_optimizer(self, model):
         # module-level names looked up at call time, so that tests can wrap make_optimizer
         if self.optimizer == "muon":
-            return make_optimizer(model, self.cfg, self.use_qk_clip, self.distributed_mode)
+            return make_optimizer(model, self.cfg, self.use_qk_clip, self.distributed_mode, self.compute_dtype)
         return make_adamw(model, self.cfg)
 
     def _make_schedule(self, opt):
@@ -219,17 +255,22 @@ class Run:
         step = len(self.losses)
         per_rank = self.cfg.train.batch_size // self.dp_size
         batch = global_batch(self.cfg, step)[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        batch = batch.to(self.device)
+        self._sync()
         start = time.perf_counter()
         loss = self.model(batch[:, :-1], batch[:, 1:])
         loss.backward()
-        qk_logits = collect_qk_logits(self.model, self.heads_group) if self.use_qk_clip else None
+        qk_logits = self._qk_logits() if self.use_qk_clip else None
+        self._sync()
         fwd_bwd = time.perf_counter() - start
 
         full_grads = self.reference.gather_grads(self.model) if self.reference is not None else None
+        self._sync()
         start = time.perf_counter()
         _step(self.opt, qk_logits)
         self.opt.zero_grad(set_to_none=True)
         self.schedule.step()
+        self._sync()
         step_time = fwd_bwd + time.perf_counter() - start
         if self.reference is not None:
             self.reference.step(full_grads, qk_logits)
@@ -239,7 +280,7 @@ class Run:
 
         # The global loss: mean over data-parallel slices (tp/ep peers hold equal
         # copies); the step time: mean over ranks.
-        stats = torch.tensor([loss.item(), step_time], dtype=torch.float64)
+        stats = torch.tensor([loss.item(), step_time], dtype=torch.float64, device=self.device)
         if self.world > 1:
             dist.all_reduce(stats)
             stats /= self.world
@@ -251,7 +292,7 @@ class Run:
         if report is not None:
             self.max_logits.append(report.overall_max_logit)
         else:  # recorded for comparison: how large logits grow without QK-clip
-            logits = collect_qk_logits(self.model, self.heads_group)
+            logits = self._qk_logits()
             self.max_logits.append(max(v.max().item() for v in logits.values()))
 
         n = step + 1
@@ -259,6 +300,14 @@ class Run:
             self._evaluate()
         if n % self.cfg.train.log_every == 0 or n == self.steps:
             self._log_line()
+
+    def _sync(self) -> None:
+        """Wait for the GPU's queued work, so that host clocks time it (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _qk_logits(self) -> dict[int, torch.Tensor]:
+        return collect_qk_logits(self.model, tp_group=self.tp_group, dp_groups=self.dp_groups)
 
     def _evaluate(self) -> None:
         self.evals.append({"step": len(self.losses), "elapsed_s": self.elapsed,
@@ -290,6 +339,8 @@ class Run:
             "tokens_per_step": self.tokens_per_step,
             "qk_clip": self.use_qk_clip,
             "distributed_mode": self.distributed_mode,
+            "device": self.device.type,
+            "compute_dtype": str(self.compute_dtype or torch.float32).removeprefix("torch."),
             "losses": losses,
             "first_loss": losses[0] if losses else math.nan,
             "last_loss": losses[-1] if losses else math.nan,
@@ -314,11 +365,11 @@ class LockstepReference:
     gradients (and the same ``qk_logits``), so that it differs from the
     distributed run only in the optimizer's distributed arithmetic."""
 
-    def __init__(self, cfg: RunConfig, make_opt, make_schedule, rank: int):
+    def __init__(self, cfg: RunConfig, make_opt, make_schedule, rank: int, device: torch.device | str = "cpu"):
         self.params: dict[str, torch.Tensor] = {}
         self.opt = self.schedule = None
         if rank == 0:
-            model = build_model(cfg.model, cfg.train.seed)
+            model = build_model(cfg.model, cfg.train.seed).to(device)
             self.params = dict(model.named_parameters())
             self.opt = make_opt(model)
             self.schedule = make_schedule(self.opt)
@@ -364,7 +415,7 @@ def parameter_deviations(model, ref_params: dict, rank: int, world: int) -> dict
         ref = ref_params[name].detach().clone() if rank == 0 else torch.empty_like(full)
         if world > 1:
             dist.broadcast(ref, src=0)
-        dev = (full - ref).abs().max() if full.numel() else torch.zeros(())
+        dev = (full - ref).abs().max() if full.numel() else torch.zeros((), device=full.device)
         if world > 1:
             dist.all_reduce(dev, op=dist.ReduceOp.MAX)
         out[name] = dev.item()
@@ -405,7 +456,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--distributed-mode", default="parallel", choices=("parallel", "gather"))
     ap.add_argument("--check", action="store_true",
                     help="exit 1 if the deviation exceeds --tolerance or the loss did not fall")
-    ap.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
+    ap.add_argument("--tolerance", type=float, default=None,
+                    help=f"largest allowed |param - single-device| (default: {DEFAULT_TOLERANCE:g} with fp32, "
+                         f"{BF16_TOLERANCE_PER_STEP:g} per checked step with bf16 Newton–Schulz)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cpu (gloo) or cuda (NCCL, cuda:LOCAL_RANK per rank)")
+    ap.add_argument("--compute-dtype", default="fp32", choices=tuple(COMPUTE_DTYPES),
+                    help="Newton–Schulz dtype of the distributed optimizer and of the single-device reference")
     ap.add_argument("--summary-out", default=None, help="write a JSON summary here (rank 0)")
     return ap.parse_args(argv)
 
@@ -419,15 +476,33 @@ def main(argv=None) -> int:
     if args.steps is not None and args.steps < 1:
         print(f"error: --steps must be >= 1, got {args.steps}", file=sys.stderr)
         return 2
+    if args.tolerance is not None and not args.tolerance >= 0:
+        print(f"error: --tolerance must be >= 0, got {args.tolerance}", file=sys.stderr)
+        return 2
+    compute_dtype = COMPUTE_DTYPES[args.compute_dtype]
     launched = "WORLD_SIZE" in os.environ  # torchrun
     world = int(os.environ["WORLD_SIZE"]) if launched else 1
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device == "cuda":
+        if not torch.cuda.is_available() or torch.cuda.device_count() <= local_rank:
+            print(f"error: --device cuda needs a CUDA device for local rank {local_rank}, "
+                  f"found {torch.cuda.device_count()}; use --device cpu or fewer processes per node",
+                  file=sys.stderr)
+            return 2
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
     try:
         cfg = load_config(args.config, world_size=world)
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if launched:
-        dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+        if args.device == "cuda":
+            dist.init_process_group("nccl", timeout=timedelta(minutes=5), device_id=device)
+        else:
+            dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     try:
         rank = dist.get_rank() if launched else 0
         summary = train(
@@ -435,14 +510,19 @@ def main(argv=None) -> int:
             steps=args.steps,
             use_qk_clip=False if args.no_qk_clip else None,
             distributed_mode=args.distributed_mode,
+            device=device,
+            compute_dtype=compute_dtype,
         )
-        problems = check(summary, args.tolerance)
-        summary["tolerance"] = args.tolerance
+        tolerance = tolerance_for(compute_dtype, summary["check_steps"]) if args.tolerance is None else args.tolerance
+        problems = check(summary, tolerance)
+        summary["tolerance"] = tolerance
         summary["passed"] = not problems
         if rank == 0:
-            print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
+            print(f"{cfg.name} on {world} x {args.device}, Newton–Schulz {args.compute_dtype}: "
+                  f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
                   f"max |param - single-device| = {summary['max_param_deviation']:.3e} "
-                  f"({summary['worst_param']}); total heads clipped {sum(summary['heads_clipped'])}")
+                  f"({summary['worst_param']}, tolerance {tolerance:g}); "
+                  f"total heads clipped {sum(summary['heads_clipped'])}")
             for p in problems:
                 print(f"CHECK FAILED: {p}")
             if args.summary_out:

@@ -10,7 +10,8 @@ the optimizer through ``torch.distributed.checkpoint`` with torch's
 * Resume: save after K steps, restart, load, run to N: every parameter is
   bit-identical (``torch.equal``) to an uninterrupted run of N steps.  The resumed
   run builds its model from another seed and its optimizer with wrong lr, weight
-  decay and no QK-clip, so the checkpoint has to restore all of them.
+  decay and no QK-clip, so the checkpoint has to restore all of them (row blocks are
+  declared by the model's code and must be equal).
 * Reshard: a checkpoint saved under one config continues under another and
   matches the uninterrupted run within RESHARD_ATOL; a control that loads the
   model but not the optimizer state misses by far more.
@@ -44,10 +45,12 @@ from torch.distributed.tensor import DTensor
 
 from examples.config import load_config
 from examples.model import build_model, collect_qk_logits
-from examples.parallelize import build_mesh, data_parallel_rank_and_size, parallelize, tp_group
+from examples.muon_setup import muon_param_groups, qk_clip_config
+from examples.parallelize import build_mesh, data_parallel_rank_and_size, max_logit_groups, parallelize
 from examples.train import synthetic_batch
 from harness import run_ranks
 from optimizer import Muon, QKClipConfig, get_default_muon_param_groups
+from optimizer.row_blocks import ROW_BLOCKS_KEY
 from optimizer.state_layout import LAYOUT_VERSION, QK_CLIP_KEY, VERSION_KEY
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -76,24 +79,35 @@ def _quiet():
 
 
 def _setup(cfg, mesh, seed, lr=LR, weight_decay=WEIGHT_DECAY, qk_clip=True):
+    """The config's model and Muon (QK-clip and row blocks per its attention, examples/muon_setup.py)."""
     model = parallelize(build_model(cfg.model, seed), mesh, cfg)
-    qk = QKClipConfig(head_dim=cfg.model.head_dim, threshold=cfg.qk_clip.threshold) if qk_clip else None
-    opt = Muon(get_default_muon_param_groups(model), lr=lr, weight_decay=weight_decay,
-               momentum=cfg.train.momentum, qk_clip=qk)
+    opt = Muon(muon_param_groups(model, cfg), lr=lr, weight_decay=weight_decay, momentum=cfg.train.momentum,
+               qk_clip=qk_clip_config(cfg) if qk_clip else None)
     return model, opt
+
+
+def _settings(opt):
+    """What the checkpoint must restore: hyperparameters, QK-clip settings, row blocks."""
+    qk = opt.qk_clip
+    return {
+        "lr": {g["lr"] for g in opt.param_groups},
+        "weight_decay": {g["weight_decay"] for g in opt.param_groups},
+        "qk_clip": None if qk is None else (qk.threshold, qk.head_dim, qk.fused_qkv, qk.mla),
+        "row_blocks": [repr(g.get(ROW_BLOCKS_KEY)) for g in opt.param_groups],
+    }
 
 
 def _train(cfg, mesh, model, opt, steps, scheduler=None):
     """Deterministic steps: batch ``s`` is a function of the config and ``s`` alone."""
     dp_rank, dp_size = data_parallel_rank_and_size(mesh, cfg)
-    heads = tp_group(mesh, cfg)
+    tp, dp = max_logit_groups(mesh, cfg)
     per = cfg.train.batch_size // dp_size
     clipped, lrs = 0, []
     for s in steps:
         batch = synthetic_batch(cfg, s)[dp_rank * per:(dp_rank + 1) * per]
         logits = model(batch[:, :-1])
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1)).backward()
-        qk_logits = collect_qk_logits(model, heads) if opt.qk_clip is not None else None
+        qk_logits = collect_qk_logits(model, tp_group=tp, dp_groups=dp) if opt.qk_clip is not None else None
         opt.step(qk_logits=qk_logits)
         opt.zero_grad(set_to_none=True)
         clipped += opt.qk_clip_report.total_clipped if opt.qk_clip_report is not None else 0
@@ -194,16 +208,14 @@ def _load_and_continue(rank, world_size, config, ckpt, control):
     _quiet()
     cfg = load_config(_path(config), world_size=world_size)
     mesh = build_mesh(cfg)
+    # Row blocks are declared with the model's code, as a custom classify is: DCP loads only the
+    # keys the loading optimizer's state dict has, so an optimizer built without them stays so.
     model, opt = _setup(cfg, mesh, cfg.train.seed + 1, lr=0.5, weight_decay=0.0, qk_clip=False)
     _load(model, opt, ckpt)
-    restored = {
-        "lr": {g["lr"] for g in opt.param_groups},
-        "weight_decay": {g["weight_decay"] for g in opt.param_groups},
-        "qk_threshold": opt.qk_clip.threshold if opt.qk_clip is not None else None,
-        "qk_head_dim": opt.qk_clip.head_dim if opt.qk_clip is not None else None,
-    }
+    restored = _settings(opt)
     _train(cfg, mesh, model, opt, range(K, N))
-    out = {"restored": restored, "resumed": _full_params(model, rank)}
+    out = {"restored": restored, "wanted": _settings(_setup(cfg, mesh, cfg.train.seed)[1]),
+           "resumed": _full_params(model, rank)}
     if control:
         model, opt = _setup(cfg, mesh, cfg.train.seed + 1)
         _load(model, opt, ckpt, with_optimizer=False)
@@ -236,8 +248,12 @@ def test_resume_after_restart_is_bit_identical(saved, config):
     ckpt, first = saved(config)
     cfg = load_config(_path(config))
     second = run_ranks(_load_and_continue, cfg.world_size, config, ckpt, False, timeout=TIMEOUT)[0]
-    assert second["restored"] == {"lr": {LR}, "weight_decay": {WEIGHT_DECAY},
-                                  "qk_threshold": cfg.qk_clip.threshold, "qk_head_dim": cfg.model.head_dim}
+    assert second["restored"] == second["wanted"]
+    assert second["restored"]["lr"] == {LR} and second["restored"]["weight_decay"] == {WEIGHT_DECAY}
+    assert second["restored"]["qk_clip"] == (cfg.qk_clip.threshold, qk_clip_config(cfg).head_dim,
+                                             qk_clip_config(cfg).fused_qkv, qk_clip_config(cfg).mla)
+    if cfg.muon.row_blocks != "none":
+        assert any(r != "None" for r in second["restored"]["row_blocks"]), second["restored"]
     want, got = first["uninterrupted"], second["resumed"]
     assert set(got) == set(want)
     different = [n for n in want if not torch.equal(got[n], want[n])]

@@ -431,6 +431,19 @@ def _load_json(name):
         return json.load(f)
 
 
+def assert_recorded_settings(recorded: dict | None, current) -> None:
+    """The recorded settings are the current ones.  A field added to the dataclass after the
+    recording (absent from it) must hold its default, which is what the recorded run had: the
+    example's later features (e.g. ModelArgs.attention, [muon]) default to the old behaviour,
+    bit for bit (checked when they were added)."""
+    now, defaults = dataclasses.asdict(current), dataclasses.asdict(type(current)())
+    recorded = recorded or {}
+    assert set(recorded) <= set(now), f"recorded settings {set(recorded) - set(now)} no longer exist"
+    assert {k: now[k] for k in recorded} == recorded
+    added = set(now) - set(recorded)
+    assert {k: now[k] for k in added} == {k: defaults[k] for k in added}, "a setting added since is not at its default"
+
+
 def test_main_config_uses_the_recorded_sweep():
     sweep = _load_json("lr_sweep.json")
     cfg = load_config(MAIN_CONFIG)
@@ -441,7 +454,7 @@ def test_main_config_uses_the_recorded_sweep():
     # the sweep ran the main job's settings (all but the learning rate it varies)
     settings = sweep["settings"]
     assert settings["steps"] == cfg.train.steps
-    assert settings["model"] == dataclasses.asdict(cfg.model)
+    assert_recorded_settings(settings["model"], cfg.model)
     assert {k: v for k, v in settings["train"].items() if k != "lr"} == \
         {k: v for k, v in dataclasses.asdict(cfg.train).items() if k != "lr"}
     assert settings["data"] == dataclasses.asdict(cfg.data)
@@ -454,8 +467,10 @@ def test_readme_shows_the_recorded_main_job():
     summary = _load_json("main_job.json")
     cfg = load_config(MAIN_CONFIG)
     recorded_cfg = summary["config"]
-    for section in ("mesh", "model", "train", "data", "qk_clip", "compare"):
+    for section in ("mesh", "train", "data", "qk_clip", "compare"):
         assert recorded_cfg[section] == dataclasses.asdict(getattr(cfg, section)), section
+    assert_recorded_settings(recorded_cfg["model"], cfg.model)
+    assert_recorded_settings(recorded_cfg.get("muon"), cfg.muon)
     runs = summary["runs"]
     assert runs["Muon"]["max_param_deviation"] <= summary["tolerance"]
     assert runs["Muon"]["check_steps"] == cfg.compare.check_steps

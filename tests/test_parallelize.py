@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from examples.config import load_config
 from examples.model import ModelArgs, build_model, collect_qk_logits
-from examples.parallelize import build_mesh, data_parallel_rank_and_size, parallelize, tp_group
+from examples.parallelize import build_mesh, data_parallel_rank_and_size, max_logit_groups, parallelize
 from harness import run_ranks
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -24,9 +24,12 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 S0, S1 = Shard(0), Shard(1)
 R = Replicate()
 SS0 = _StridedShard(0, split_factor=2)
-COLWISE = ("*.wq.weight", "*.wk.weight", "*.wv.weight", "*.w1.weight", "*.w3.weight", "output.weight")
+COLWISE = ("*.wq.weight", "*.wk.weight", "*.wv.weight", "*.w1.weight", "*.w3.weight", "output.weight",
+           "*.wqkv.weight", "*.wq_b.weight", "*.wkv_b.weight")
 ROWWISE = ("*.wo.weight", "*.w2.weight")
 EXPERTS = ("*.experts.w?",)
+# MLA's low-rank projections and their norms stay replicated over tp (torchtitan's plan),
+# so FSDP alone shards them: they fall to the "everything else" case below.
 
 
 def _matches(name, patterns):
@@ -45,7 +48,7 @@ def expected_placements(config: str, name: str):
         return (R, S0)
     if config == "tp":
         return (S0,) if _matches(name, COLWISE) else (S1,) if _matches(name, ROWWISE) else None
-    if config in ("fsdp_tp", "uneven"):
+    if config in ("fsdp_tp", "uneven", "fused_qkv", "mla", "mla_no_q_lora"):
         return (SS0, S0) if _matches(name, COLWISE) else (S0, S1) if _matches(name, ROWWISE) else (S0,)
     if config == "hsdp_tp":
         return (R, SS0, S0) if _matches(name, COLWISE) else (R, S0, S1) if _matches(name, ROWWISE) else (R, S0)
@@ -63,10 +66,19 @@ def _loss(model, tokens):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def _parallel_step(rank, world_size, path):
+def _load(path, world_size=None, **model_overrides):
+    import dataclasses
+
+    cfg = load_config(path, world_size=world_size)
+    if model_overrides:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model_overrides))
+    return cfg
+
+
+def _parallel_step(rank, world_size, path, model_overrides):
     """On every rank: parallel fwd/bwd on its slice; rank 0 also the single-device run."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    cfg = load_config(path, world_size=world_size)
+    cfg = _load(path, world_size, **model_overrides)
     mesh = build_mesh(cfg)
     model = parallelize(build_model(cfg.model, seed=7), mesh, cfg)
     tokens = _global_batch(cfg.model, cfg.train.batch_size, cfg.train.seq_len)
@@ -74,7 +86,8 @@ def _parallel_step(rank, world_size, path):
     per = tokens.shape[0] // dp_size
     loss = _loss(model, tokens[dp_rank * per:(dp_rank + 1) * per])
     loss.backward()
-    logits = collect_qk_logits(model, tp_group(mesh, cfg))
+    tp, dp = max_logit_groups(mesh, cfg)
+    logits = collect_qk_logits(model, tp_group=tp, dp_groups=dp)
 
     out = {"loss": loss.item(), "params": {}}
     for name, p in model.named_parameters():
@@ -99,14 +112,18 @@ def _parallel_step(rank, world_size, path):
     return out
 
 
-MULTI_RANK = ["fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp", "ep", "solver", "uneven"]
+MULTI_RANK = ["fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp", "ep", "solver", "uneven", "fused_qkv", "mla",
+              "mla_no_q_lora"]
+# Variants of shipped configs: (config file, ModelArgs overrides).
+VARIANTS = {"mla_no_q_lora": ("mla", {"q_lora_rank": 0})}
 
 
 @pytest.mark.parametrize("config", MULTI_RANK)
 def test_parallelized_model_matches_single_device(config):
-    path = os.path.join(CONFIG_DIR, f"{config}.toml")
-    cfg = load_config(path)
-    results = run_ranks(_parallel_step, cfg.world_size, path, timeout=180)
+    file, overrides = VARIANTS.get(config, (config, {}))
+    path = os.path.join(CONFIG_DIR, f"{file}.toml")
+    cfg = _load(path, **overrides)
+    results = run_ranks(_parallel_step, cfg.world_size, path, overrides, timeout=180)
     r0 = results[0]
 
     for name, info in r0["params"].items():
@@ -180,7 +197,7 @@ def _train_ranks(rank, world_size, path, steps, ref_lr_factor):
     made = []
     original = train_mod.make_optimizer
 
-    def make(model, cfg_, *args):
+    def make(model, cfg_, *args):  # make_optimizer(model, cfg, use_qk_clip, mode, compute_dtype)
         made.append(model)
         if len(made) == 2:  # the second optimizer is rank 0's single-device reference
             cfg_ = dataclasses.replace(cfg_, train=dataclasses.replace(cfg_.train, lr=cfg_.train.lr * ref_lr_factor))
