@@ -204,4 +204,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from examples.train import exit_process
+
+    exit_process(main())

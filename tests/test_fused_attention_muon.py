@@ -132,3 +132,98 @@ def test_sharded_fused_weight_in_the_pipeline_equals_separate_weights(layout, pl
             for k in want:
                 torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=1e-5,
                                            msg=lambda m: f"{layout} {placements} qk={qk} {k}: {m}")
+
+
+def _one_step(opt, w, grad):
+    w.grad = grad.clone()
+    opt.step()
+
+
+def test_checkpoint_keeps_row_blocks_and_refuses_other_blocks(tmp_path):
+    """Blocks change the update but no state shape, so a checkpoint must carry them and refuse others."""
+    import io
+
+    fused = LAYOUTS["grouped"]
+    params, grads, _ = _inputs(fused.n_kv_heads)
+    w = torch.nn.Parameter(_fuse(params, fused))
+    opt = _fused_optimizer(w, fused, qk=False)
+    _one_step(opt, w, _fuse(grads[0], fused))
+    buf = io.BytesIO()
+    torch.save({"w": w.detach().clone(), "opt": opt.state_dict()}, buf)
+    _one_step(opt, w, _fuse(grads[1], fused))  # the uninterrupted run
+
+    def resumed(row_blocks):
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=False)
+        w2 = torch.nn.Parameter(saved["w"])
+        group = {"params": [w2], "param_names": ["layers.0.attention.wqkv.weight"], "use_muon": True}
+        if row_blocks is not None:
+            group["muon_row_blocks"] = row_blocks
+        return w2, Muon([group], **KW), saved["opt"]
+
+    w2, opt2, sd = resumed(fused)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["muon_row_blocks"] == fused
+    _one_step(opt2, w2, _fuse(grads[1], fused))
+    assert torch.equal(w2.detach(), w.detach())
+
+    for other in (None, "heads:4", FusedQKV(N_HEADS, N_KV, HEAD_DIM, "concat")):
+        w3, opt3, sd = resumed(other)
+        with pytest.raises(ValueError, match="muon_row_blocks.*wqkv|wqkv.*muon_row_blocks"):
+            opt3.load_state_dict(sd)
+        assert not opt3.state and opt3.param_groups[0].get("muon_row_blocks") == other  # nothing changed
+
+    # a checkpoint written without blocks does not load into an optimizer that declares them
+    w4, opt4, _ = resumed(None)
+    _one_step(opt4, w4, _fuse(grads[0], fused))
+    sd_plain = opt4.state_dict()
+    w5, opt5, _ = resumed(fused)
+    with pytest.raises(ValueError, match="muon_row_blocks"):
+        opt5.load_state_dict(sd_plain)
+
+
+def test_equivalent_row_block_specs_load():
+    w = torch.nn.Parameter(torch.randn(8, 6))
+    names = ["layers.0.attention.wq.weight"]
+    opt = Muon([{"params": [w], "param_names": names, "use_muon": True, "muon_row_blocks": "heads:4"}], **KW)
+    w.grad = torch.randn(8, 6)
+    opt.step()
+    from optimizer import HeadBlocks
+
+    w2 = torch.nn.Parameter(w.detach().clone())
+    opt2 = Muon([{"params": [w2], "param_names": names, "use_muon": True,
+                  "muon_row_blocks": {names[0]: HeadBlocks(4)}}], **KW)
+    opt2.load_state_dict(opt.state_dict())  # the same blocks, spelled differently
+    assert torch.equal(opt2.state[w2]["momentum_buffer"], opt.state[w]["momentum_buffer"])
+
+
+def test_dcp_checkpoint_row_blocks_are_read_back_and_compared(tmp_path):
+    """DCP loads only the keys the live state dict has: the blocks key must be there to be checked."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    fused = LAYOUTS["grouped"]
+
+    def make(row_blocks):
+        model = torch.nn.Linear(DIM, fused.num_rows, bias=False)
+        group = {"params": [model.weight], "param_names": ["weight"], "use_muon": True}
+        if row_blocks is not None:
+            group["muon_row_blocks"] = row_blocks
+        return model, Muon([group], **KW)
+
+    model, opt = make(fused)
+    model.weight.grad = torch.randn_like(model.weight)
+    opt.step()
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path))
+    for row_blocks, loads in ((fused, True), (None, False), ("heads:4", False)):
+        model2, opt2 = make(row_blocks)
+        sd = {"optim": get_optimizer_state_dict(model2, opt2)}
+        dcp.load(sd, checkpoint_id=str(tmp_path))
+        if loads:
+            set_optimizer_state_dict(model2, opt2, sd["optim"])
+            assert torch.equal(opt2.state[model2.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
+        else:
+            with pytest.raises(ValueError, match="'weight' was orthogonalised with muon_row_blocks"):
+                set_optimizer_state_dict(model2, opt2, sd["optim"])
+            # (dcp.load already wrote the tensors in place into the live state: only the groups are ours)
+            assert opt2.param_groups[0]["muon_row_blocks"] == row_blocks

@@ -129,6 +129,26 @@ def check_group_row_blocks(group_value, names: Sequence[str], where: str) -> Non
         parse_spec(group_value, where)
 
 
+def row_blocks_mismatch(saved_value, live_value, names: Sequence[str], where: str) -> str | None:
+    """What differs between a checkpoint group's ``muon_row_blocks`` and a live group's, or None.
+
+    Row blocks change what Muon computes but not the shape of any state, so a checkpoint written
+    with other blocks would load without complaint and go on orthogonalising differently.  Specs
+    are compared per parameter after normalising (``"heads:64"`` equals ``HeadBlocks(64)``); a
+    checkpoint without the key declared none.
+    """
+    for name in names:
+        saved = spec_for(saved_value, name, f"checkpoint {where}")
+        live = spec_for(live_value, name, where)
+        if saved != live:
+            return (
+                f"'{name}' was orthogonalised with {ROW_BLOCKS_KEY}={saved!r} in the checkpoint but this "
+                f"optimizer declares {live!r}; build the optimizer with the checkpoint's {ROW_BLOCKS_KEY} "
+                "(blocks are part of the model's layout, not a hyperparameter to change on resume)"
+            )
+    return None
+
+
 def resolve_row_blocks(spec, name: str, global_shape: Sequence[int]) -> RowBlocks | None:
     """The row blocks of one weight (None: orthogonalise the whole matrix).  Pure; raises
     ``ValueError`` naming ``name`` when the spec does not fit the shape."""

@@ -9,6 +9,8 @@ into every param group:
 * ``muon_state_version``: the layout below.  A checkpoint without it, or with
   another version, is refused with a message that says what to do, instead of
   being read as if its tensors meant what they mean today.
+* ``muon_row_blocks`` (Muon groups): how each weight is split into blocks for
+  orthogonalisation (None: whole).  Checked on load, never overridden: see ``row_blocks.py``.
 * ``qk_clip_settings``: the optimizer's QK-clip config (threshold, head_dim, name
   patterns, and whether a custom ``classify`` callable was used; a callable
   cannot be saved, so the loading optimizer must bring its own).  The structure
@@ -34,6 +36,7 @@ import torch
 
 from .adamw import ADAMW_STATE_KEYS
 from .qk_clip import QKClipConfig, config_from_record, config_record
+from .row_blocks import ROW_BLOCKS_KEY, row_blocks_mismatch
 from .tensors import is_dtensor
 
 logger = logging.getLogger("optimizer.muon")
@@ -116,9 +119,16 @@ _OLD_QK_KEYS = frozenset({"threshold", "head_dim", "q_patterns", "k_patterns", "
 
 
 def stamp_group(group: dict, cfg: QKClipConfig | None) -> None:
-    """Write the layout version and the current QK-clip settings into a live param group."""
+    """Write the layout version and the current QK-clip settings into a live param group.
+
+    A Muon group also always carries ``muon_row_blocks`` (None: whole matrices), because DCP
+    loads only the keys the live state dict has: without it, a checkpoint's blocks would never
+    be read back to be compared.
+    """
     group[VERSION_KEY] = LAYOUT_VERSION
     group[QK_CLIP_KEY] = qk_clip_record(cfg)
+    if group.get("use_muon"):
+        group.setdefault(ROW_BLOCKS_KEY, None)
 
 
 def _normalised(record: Mapping) -> dict[str, Any]:
@@ -184,6 +194,12 @@ def check_loadable(opt: torch.optim.Optimizer, state_dict: Any) -> None:
                     f"Muon.load_state_dict: the parameters of the checkpoint's param_groups[{gi}] do not match "
                     f"this optimizer's: {problem}."
                 )
+        if live["use_muon"] and len(saved["params"]) == len(live["params"]):
+            names = live_names or [f"param_groups[{gi}]['params'][{j}]" for j in range(len(live["params"]))]
+            problem = row_blocks_mismatch(saved.get(ROW_BLOCKS_KEY), live.get(ROW_BLOCKS_KEY), names,
+                                          f"param_groups[{gi}]")
+            if problem is not None:
+                raise ValueError(f"Muon.load_state_dict: {problem}.")
         if len(saved["params"]) != len(live["params"]):
             raise ValueError(
                 f"Muon.load_state_dict: the checkpoint's {_group_label(saved, gi)} has {len(saved['params'])} "
