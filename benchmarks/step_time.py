@@ -623,4 +623,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(_REPO))
+    from examples.torchrun_exit import exit_process
+
+    exit_process(main())

@@ -204,6 +204,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from examples.train import exit_process
+    from examples.torchrun_exit import exit_process
 
     exit_process(main())

@@ -538,18 +538,7 @@ def main(argv=None) -> int:
     return 1 if (args.check and problems) else 0
 
 
-def exit_process(code: int) -> None:
-    """End a torchrun worker without interpreter finalisation.
-
-    By now the process group is destroyed and every result printed.  A gloo worker can still
-    abort in C++ static destruction at exit ("terminate called without an active exception":
-    about 1 run in 20 of a 2-rank job on a loaded 2-core machine, after every check passed);
-    skipping finalisation avoids it, and flushing first keeps every line of output.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
+    from examples.torchrun_exit import exit_process
+
     exit_process(main())

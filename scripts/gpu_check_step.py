@@ -227,4 +227,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, ROOT)
+    from examples.torchrun_exit import exit_process
+
+    exit_process(main())
