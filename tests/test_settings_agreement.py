@@ -103,3 +103,36 @@ def test_rank_summaries_stay_short_at_any_world_size():
     assert len(scattered) < 300 and "more ranges" in scattered
     many = summarise_ranks([str(r % 7) for r in ranks], ranks)
     assert "3 more values on" in many and many.count(";") == 4
+
+
+_DIGEST_SCRIPT = r"""
+import sys
+sys.path.insert(0, "torch-ext")
+import torch
+from optimizer import Muon
+
+def head_rows(name, shape):  # a callable row-block spec: its repr holds an address
+    return [slice(0, 4), slice(4, 8)]
+
+w = torch.nn.Parameter(torch.zeros(8, 6))
+opt = Muon([{"params": [w], "param_names": ["wq"], "use_muon": True, "muon_row_blocks": {"wq": head_rows}}])
+print(id(head_rows), opt._settings_digest())
+"""
+
+
+def test_settings_digest_is_the_same_in_separate_processes():
+    """Under torchrun each rank is its own process: a function's repr (its address) differs between
+    them, and must not make equal settings look different."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    runs = [subprocess.run([sys.executable, "-c", _DIGEST_SCRIPT], cwd=root, capture_output=True, text=True,
+                           timeout=120, env={"PYTHONHASHSEED": str(seed), "PATH": ""})
+            for seed in (1, 2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    (addr_a, digest_a), (addr_b, digest_b) = (r.stdout.split() for r in runs)
+    assert addr_a != addr_b  # the processes really differ where a plain repr would
+    assert digest_a == digest_b

@@ -23,8 +23,10 @@ have gradients, their shapes and placements, and the settings.
 from __future__ import annotations
 
 import logging
+import dataclasses
 import math
 import zlib
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -81,6 +83,18 @@ _PICKLED_SETTINGS = dict(
 # inter-node link (~400 TFLOP/s over ~40 GB/s per GPU), a CPU core's fp32 rate over
 # loopback (~50 GFLOP/s over ~1 GB/s).
 DEFAULT_REPLICA_FLOPS_PER_BYTE = {"cuda": 1e4, "cpu": 50.0}
+
+
+def _rank_independent_repr(value: Any) -> str:
+    """``repr`` without what differs between processes: a function's repr holds its address, which
+    differs from rank to rank under torchrun (a callable ``muon_row_blocks`` would then look like a
+    setting that differs), so callables are named by module and qualified name."""
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_rank_independent_repr(v)}" for k, v in value.items()) + "}"
+    if callable(value) and not isinstance(value, type) and not dataclasses.is_dataclass(value):
+        name = getattr(value, "__qualname__", type(value).__qualname__)
+        return f"<callable {getattr(value, '__module__', '?')}.{name}>"
+    return repr(value)
 
 
 class Muon(Optimizer):
@@ -412,7 +426,7 @@ class Muon(Optimizer):
 
     def _settings_record(self) -> dict[str, Any]:
         """Everything that must be equal on every rank, as plain values (for the error message)."""
-        record: dict[str, Any] = {k: repr(getattr(self, k)) for k in _PICKLED_SETTINGS if k != "qk_clip"}
+        record: dict[str, Any] = {k: _rank_independent_repr(getattr(self, k)) for k in _PICKLED_SETTINGS if k != "qk_clip"}
         record["qk_clip"] = repr(config_record(self.qk_clip))
         for i, g in enumerate(self.param_groups):
             for key in ("use_muon", "lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients",
@@ -420,7 +434,7 @@ class Muon(Optimizer):
                 value = g.get(key)
                 if torch.is_tensor(value):
                     value = value.item() if value.device.type == "cpu" else "<device tensor>"
-                record[f"param_groups[{i}].{key}"] = repr(value)
+                record[f"param_groups[{i}].{key}"] = _rank_independent_repr(value)
         return record
 
     def _settings_digest(self) -> int:
