@@ -14,3 +14,17 @@ torch.set_num_threads(1)
 # DTensor imports torch._dynamo lazily, which costs seconds in every forked
 # rank; importing it once here, before ranks fork, makes them start fast.
 import torch._dynamo  # noqa: E402,F401
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def torch_muon_in_fp32():
+    """torch.optim.Muon orthogonalises in bf16 and divides by a bf16-rounded norm; ours runs fp32 in
+    the tests (compute_dtype=float32, the classic form), so torch's runs its own iteration in fp32
+    too: like for like, to float32 rounding (optimizer.testing.torch_muon_newton_schulz)."""
+    from optimizer.testing import torch_muon_newton_schulz
+
+    with torch_muon_newton_schulz(torch.float32):
+        yield

@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch import nn
 
-from optimizer.testing import torch_muon_newton_schulz
 from optimizer import Muon
 from optimizer.adamw import adamw_group_step_, adamw_step_, init_adamw_state_
 
@@ -38,13 +37,8 @@ class Net(nn.Module):
 
 
 
-@pytest.fixture(autouse=True)
-def _torch_muon_in_fp32():
-    """torch.optim.Muon orthogonalises in bf16 and divides by a bf16-rounded norm; ours runs fp32 here
-    (compute_dtype=float32, the classic form), so torch's runs its own iteration in fp32 too: like for
-    like, to float32 rounding (optimizer.testing.torch_muon_newton_schulz)."""
-    with torch_muon_newton_schulz(torch.float32):
-        yield
+# torch.optim.Muon compared like for like: its own iteration in fp32 (conftest.py)
+pytestmark = pytest.mark.usefixtures("torch_muon_in_fp32")
 
 def split(net):
     muon = [p for p in net.parameters() if p.ndim == 2]

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from harness import DistributedTestError, run_ranks
-from optimizer.testing import torch_muon_newton_schulz
 from optimizer import Muon
 
 HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr="match_rms_adamw")
@@ -25,13 +24,8 @@ BETAS, EPS = (0.9, 0.95), 1e-8
 
 
 
-@pytest.fixture(autouse=True)
-def _torch_muon_in_fp32():
-    """torch.optim.Muon orthogonalises in bf16 and divides by a bf16-rounded norm; ours runs fp32 here
-    (compute_dtype=float32, the classic form), so torch's runs its own iteration in fp32 too: like for
-    like, to float32 rounding (optimizer.testing.torch_muon_newton_schulz)."""
-    with torch_muon_newton_schulz(torch.float32):
-        yield
+# torch.optim.Muon compared like for like: its own iteration in fp32 (conftest.py)
+pytestmark = pytest.mark.usefixtures("torch_muon_in_fp32")
 
 def make_net(seed=3):
     g = torch.Generator().manual_seed(seed)

@@ -244,6 +244,16 @@ class AttentionLayout:
     qk_norm: bool = False
 
 
+def attention_modules(model_parts: Sequence[nn.Module]):
+    """Yield ``(fqn, layer key, module)`` for every torchtitan attention module (``BaseAttention``)
+    of ``model_parts``, FQNs without wrapper segments."""
+    for part in model_parts:
+        for name, m in part.named_modules():
+            if isinstance(m, BaseAttention):
+                fqn = canonical_fqn(name)
+                yield fqn, layer_key(fqn), m
+
+
 def attention_layouts(model_parts: Sequence[nn.Module]) -> list[AttentionLayout]:
     """Every attention module (torchtitan ``BaseAttention``) of ``model_parts`` and its q/k layout.
 
@@ -259,30 +269,25 @@ def attention_layouts(model_parts: Sequence[nn.Module]) -> list[AttentionLayout]
     orthogonalisation refuse it rather than guess its row order.
     """
     found = []
-    for part in model_parts:
-        for name, m in part.named_modules():
-            if not isinstance(m, BaseAttention):
-                continue
-            fqn = canonical_fqn(name)
-            layer = layer_key(fqn)
-            if all(hasattr(m, a) for a in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "wkv_b")):
-                found.append(AttentionLayout(
-                    fqn, layer, "mla", int(m.n_heads), int(m.n_heads),
-                    mla=MLAHeads(int(m.qk_nope_head_dim), int(m.qk_rope_head_dim), int(m.v_head_dim))))
-                continue
-            qk_norm = getattr(m, "q_norm", None) is not None or getattr(m, "k_norm", None) is not None
-            qkv = getattr(m, "qkv_linear", None)
-            if qkv is not None and hasattr(qkv, "wqkv"):
-                n_heads, n_kv, head_dim = int(m.n_heads), int(m.n_kv_heads), int(m.head_dim)
-                fused = FusedQKV(n_heads, n_kv, head_dim, "grouped") if isinstance(qkv, FusedQKVLinear) else None
-                found.append(AttentionLayout(fqn, layer, "fused", n_heads, n_kv, head_dim, fused=fused,
-                                             fused_weight=f"{fqn}.qkv_linear.wqkv.weight", qk_norm=qk_norm))
-                continue
-            head_dim = getattr(m, "head_dim", None)
-            n_heads = getattr(m, "n_heads", None)
-            if isinstance(head_dim, int) and isinstance(n_heads, int):
-                n_kv = getattr(m, "n_kv_heads", None) or n_heads
-                found.append(AttentionLayout(fqn, layer, "separate", n_heads, int(n_kv), head_dim, qk_norm=qk_norm))
+    for fqn, layer, m in attention_modules(model_parts):
+        if all(hasattr(m, a) for a in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "wkv_b")):
+            found.append(AttentionLayout(
+                fqn, layer, "mla", int(m.n_heads), int(m.n_heads),
+                mla=MLAHeads(int(m.qk_nope_head_dim), int(m.qk_rope_head_dim), int(m.v_head_dim))))
+            continue
+        qk_norm = getattr(m, "q_norm", None) is not None or getattr(m, "k_norm", None) is not None
+        qkv = getattr(m, "qkv_linear", None)
+        if qkv is not None and hasattr(qkv, "wqkv"):
+            n_heads, n_kv, head_dim = int(m.n_heads), int(m.n_kv_heads), int(m.head_dim)
+            fused = FusedQKV(n_heads, n_kv, head_dim, "grouped") if isinstance(qkv, FusedQKVLinear) else None
+            found.append(AttentionLayout(fqn, layer, "fused", n_heads, n_kv, head_dim, fused=fused,
+                                         fused_weight=f"{fqn}.qkv_linear.wqkv.weight", qk_norm=qk_norm))
+            continue
+        head_dim = getattr(m, "head_dim", None)
+        n_heads = getattr(m, "n_heads", None)
+        if isinstance(head_dim, int) and isinstance(n_heads, int):
+            n_kv = getattr(m, "n_kv_heads", None) or n_heads
+            found.append(AttentionLayout(fqn, layer, "separate", n_heads, int(n_kv), head_dim, qk_norm=qk_norm))
     return found
 
 

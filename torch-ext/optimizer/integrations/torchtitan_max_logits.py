@@ -26,11 +26,10 @@ from torch.nn.attention.flex_attention import BlockMask
 from ..max_logits import eager_max_logits, gather_max_logits
 from ..qk_clip import LayerKey, layer_sort_key
 from ..tensors import is_dtensor
-from .torchtitan import MuonOptimizersContainer, layer_key  # says what to install if torchtitan is missing
+from .torchtitan import MuonOptimizersContainer, attention_modules  # says what to install if torchtitan is missing
 
 try:
-    from torchtitan.components.checkpointer.utils import canonical_fqn
-    from torchtitan.models.common.attention import BaseAttention, FlexAttention, ScaledDotProductAttention
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 except ImportError as err:  # pragma: no cover - the import above has failed first
     raise ImportError(f"optimizer.integrations.torchtitan_max_logits needs torchtitan 0.3 ({err})") from err
 
@@ -103,35 +102,30 @@ class MaxLogitRecorder:
         self._device: dict = {}
         self._hooks: list = []
         inners = []  # everything is checked before the first hook is registered
-        for part in model_parts:
-            for name, m in part.named_modules():
-                if not isinstance(m, BaseAttention):
-                    continue
-                fqn = canonical_fqn(name)
-                layer = layer_key(fqn)
-                if wanted is not None and layer not in wanted:
-                    continue
-                inner = getattr(m, "inner_attention", None)
-                if not isinstance(inner, (ScaledDotProductAttention, FlexAttention)):
-                    raise ValueError(
-                        f"MaxLogitRecorder: '{fqn}.inner_attention' is {type(inner).__name__}; the recorder supports "
-                        "torchtitan's ScaledDotProductAttention and FlexAttention (use attn_backend 'flex'), or pass "
-                        "your own qk_logits_fn."
-                    )
-                if layer is None or layer in self._local_heads:
-                    raise ValueError(
-                        f"MaxLogitRecorder: attention module '{fqn}' has layer key {layer!r}, "
-                        + ("which another attention module has too" if layer is not None else "no integer component")
-                        + "; QK-clip needs one attention per layer key."
-                    )
-                if m.n_heads % self._tp:
-                    raise ValueError(f"MaxLogitRecorder: '{fqn}' has {m.n_heads} heads, not divisible by the "
-                                     f"tensor-parallel degree {self._tp}")
-                self._local_heads[layer] = m.n_heads // self._tp
-                param = next(m.parameters(), None)
-                self._device[layer] = torch.device("cpu") if param is None else \
-                    (param.to_local() if is_dtensor(param) else param).device
-                inners.append((layer, fqn, inner))
+        for fqn, layer, m in attention_modules(model_parts):
+            if wanted is not None and layer not in wanted:
+                continue
+            inner = getattr(m, "inner_attention", None)
+            if not isinstance(inner, (ScaledDotProductAttention, FlexAttention)):
+                raise ValueError(
+                    f"MaxLogitRecorder: '{fqn}.inner_attention' is {type(inner).__name__}; the recorder supports "
+                    "torchtitan's ScaledDotProductAttention and FlexAttention (use attn_backend 'flex'), or pass "
+                    "your own qk_logits_fn."
+                )
+            if layer is None or layer in self._local_heads:
+                raise ValueError(
+                    f"MaxLogitRecorder: attention module '{fqn}' has layer key {layer!r}, "
+                    + ("which another attention module has too" if layer is not None else "no integer component")
+                    + "; QK-clip needs one attention per layer key."
+                )
+            if m.n_heads % self._tp:
+                raise ValueError(f"MaxLogitRecorder: '{fqn}' has {m.n_heads} heads, not divisible by the "
+                                 f"tensor-parallel degree {self._tp}")
+            self._local_heads[layer] = m.n_heads // self._tp
+            param = next(m.parameters(), None)
+            self._device[layer] = torch.device("cpu") if param is None else \
+                (param.to_local() if is_dtensor(param) else param).device
+            inners.append((layer, fqn, inner))
         missing = sorted(wanted - set(self._local_heads), key=repr) if wanted is not None else []
         if missing or not self._local_heads:
             raise ValueError(
