@@ -227,3 +227,24 @@ def test_dcp_checkpoint_row_blocks_are_read_back_and_compared(tmp_path):
                 set_optimizer_state_dict(model2, opt2, sd["optim"])
             # (dcp.load already wrote the tensors in place into the live state: only the groups are ours)
             assert opt2.param_groups[0]["muon_row_blocks"] == row_blocks
+
+
+def test_row_blocks_by_name_load_across_wrapper_prefixes():
+    """Names are compared without wrapper segments (torch.compile's ``_orig_mod``); so are the keys
+    of a ``{param_name: spec}`` row-blocks value."""
+    fused = LAYOUTS["grouped"]
+    plain, wrapped = "layers.0.attention.wqkv.weight", "_orig_mod.layers.0.attention.wqkv.weight"
+
+    def make(name, spec):
+        w = torch.nn.Parameter(torch.randn(fused.num_rows, DIM, generator=torch.Generator().manual_seed(0)))
+        return w, Muon([{"params": [w], "param_names": [name], "use_muon": True,
+                         "muon_row_blocks": {name: spec}}], **KW)
+
+    w, opt = make(plain, fused)
+    _one_step(opt, w, torch.randn(fused.num_rows, DIM))
+    w2, opt2 = make(wrapped, fused)
+    opt2.load_state_dict(opt.state_dict())
+    assert torch.equal(opt2.state[w2]["momentum_buffer"], opt.state[w]["momentum_buffer"])
+    w3, opt3 = make(wrapped, "heads:4")
+    with pytest.raises(ValueError, match="'layers.0.attention.wqkv.weight' was orthogonalised with"):
+        opt3.load_state_dict(opt.state_dict())

@@ -109,6 +109,13 @@ def names_mismatch(saved_names: list[str], live_names: list[str]) -> str | None:
     )
 
 
+def _canonical_keys(row_blocks_value):
+    """A ``{param_name: spec}`` value keyed by :func:`canonical_name`; any other value as it is."""
+    if isinstance(row_blocks_value, Mapping):
+        return {canonical_name(k): v for k, v in row_blocks_value.items()}
+    return row_blocks_value
+
+
 def qk_clip_record(cfg: QKClipConfig | None) -> dict[str, Any]:
     """The savable part of a QK-clip config (same keys whether it is on or off)."""
     return config_record(cfg)
@@ -194,20 +201,22 @@ def check_loadable(opt: torch.optim.Optimizer, state_dict: Any) -> None:
                     f"Muon.load_state_dict: the parameters of the checkpoint's param_groups[{gi}] do not match "
                     f"this optimizer's: {problem}."
                 )
-        if live["use_muon"] and len(saved["params"]) == len(live["params"]):
-            names = live_names or [f"param_groups[{gi}]['params'][{j}]" for j in range(len(live["params"]))]
-            problem = row_blocks_mismatch(saved.get(ROW_BLOCKS_KEY), live.get(ROW_BLOCKS_KEY), names,
-                                          f"param_groups[{gi}]")
-            if problem is not None:
-                raise ValueError(f"Muon.load_state_dict: {problem}.")
         if len(saved["params"]) != len(live["params"]):
             raise ValueError(
                 f"Muon.load_state_dict: the checkpoint's {_group_label(saved, gi)} has {len(saved['params'])} "
                 f"parameters but this optimizer's {_group_label(live, gi)} has {len(live['params'])}; build the "
                 "param groups from the same model, in the same order, as the run that saved it."
             )
-        for j, (pid, p) in enumerate(zip(saved["params"], live["params"])):
-            name = live_names[j] if live_names else f"param_groups[{gi}]['params'][{j}]"
+        names = list(live_names) if live_names else [f"param_groups[{gi}]['params'][{j}]"
+                                                       for j in range(len(live["params"]))]
+        if live["use_muon"]:
+            # by canonical name on both sides, as the names themselves are compared above
+            problem = row_blocks_mismatch(_canonical_keys(saved.get(ROW_BLOCKS_KEY)),
+                                          _canonical_keys(live.get(ROW_BLOCKS_KEY)),
+                                          [canonical_name(n) for n in names], f"param_groups[{gi}]")
+            if problem is not None:
+                raise ValueError(f"Muon.load_state_dict: {problem}.")
+        for pid, p, name in zip(saved["params"], live["params"], names):
             owner[pid] = (p, name, live["use_muon"])
 
     for pid, entry in state_dict["state"].items():
