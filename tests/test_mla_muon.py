@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from dist_cases import parse_placement, to_dtensor

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from optimizer.newton_schulz import zeropower_via_newtonschulz
 from optimizer.owners import assign_owners, assign_owners_among, chunk_order, chunked_critical_path
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_cases import HEAD_DIM, build_groups, make_case_tensors, parse_placement, run_distributed, run_reference, to_dtensor
+from dist_cases import build_groups, make_case_tensors, parse_placement, run_distributed, run_reference, to_dtensor
 from harness import run_ranks
 
 ATOL, RTOL = 2e-6, 1e-5

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import dataclasses
 import math
-import zlib
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -496,7 +495,7 @@ class Muon(Optimizer):
         # Momentum, elementwise on local pieces: buf <- momentum*buf + (1-momentum)*grad.
         by_momentum: dict[tuple[float, bool], list[int]] = {}
         for i, group in enumerate(groups_of):
-            by_momentum.setdefault((_muon_momentum(group), bool(group.get("maximize", False))), []).append(i)
+            by_momentum.setdefault((group["momentum"], bool(group.get("maximize", False))), []).append(i)
         signed = list(grads)
         for (momentum, maximize), idx in by_momentum.items():
             gs = [grads[i] if grads[i].dtype == bufs[i].dtype else grads[i].to(bufs[i].dtype) for i in idx]
@@ -515,7 +514,7 @@ class Muon(Optimizer):
             if blocks is not None:
                 ortho = _in_blocks(ortho, blocks, group["adjust_lr"])
             steps.append(ParamStep(
-                param=local_view(p), grad=signed[i], buf=bufs[i], momentum=_muon_momentum(group),
+                param=local_view(p), grad=signed[i], buf=bufs[i], momentum=group["momentum"],
                 nesterov=group["nesterov"], lr=lr, adjusted_lr=adjust_lr(lr, p.shape, group["adjust_lr"]),
                 weight_decay=wd, orthogonalize=ortho,
                 qk_clip=view.clip_rows(i, clip),
@@ -552,10 +551,6 @@ def _follow_momentum_schedule(groups: list[dict]) -> None:
     for group in groups:
         if not group["use_muon"] and "max_momentum" in group and "base_momentum" in group:
             group["betas"] = (float(group["momentum"]), *group["betas"][1:])
-
-
-def _muon_momentum(group: dict) -> float:
-    return group["momentum"]
 
 
 def _count_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor | None:

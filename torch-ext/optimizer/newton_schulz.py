@@ -387,12 +387,10 @@ def _gram_iterations(X: Tensor, steps: Sequence[Coefficients], plan: Sequence[in
     first = 0
     for length in plan:
         segment, first = steps[first : first + length], first + length
-        A = _symmetric_product(X, X.mT, blocks=symmetric)
         if length == 1:  # a classic step
-            (a, b, c), = segment
-            B = _symmetric_product(A, A, A, beta=b, alpha=c, blocks=symmetric)
-            X = addmm(X, B, X, beta=a)
+            X = _classic_iterations(X, segment)
             continue
+        A = _symmetric_product(X, X.mT, blocks=symmetric)
         Q = None
         for j, (a, b, c) in enumerate(segment):
             B = _symmetric_product(A, A, A, beta=b, alpha=c, blocks=symmetric)

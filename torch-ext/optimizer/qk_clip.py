@@ -24,11 +24,6 @@ from torch import Tensor
 
 from .attention_layouts import FUSED_QKV_LAYOUTS, FusedQKV, MLAHeads
 
-try:
-    from torch.distributed.tensor import DTensor
-except Exception:  # pragma: no cover - distributed not built
-    DTensor = None  # type: ignore[assignment]
-
 logger = logging.getLogger("optimizer.qk_clip")
 
 LayerKey = int | str
@@ -327,5 +322,3 @@ def log_report(report: QKClipReport, step: int | None = None, level: int = loggi
         prefix = f"step {step}: " if step is not None else ""
         logger.log(level, prefix + report.format())
 
-
-# --------------------------------------------------------------------------- per-step planning

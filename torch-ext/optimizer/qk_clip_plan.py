@@ -461,8 +461,13 @@ def gamma(logits: Tensor, threshold: float) -> Tensor:
     NaN / +inf logits (which the caller reports as errors), get 1; ``logit <= 0`` and ``-inf``
     (nothing attended) are under any positive threshold."""
     logits = logits.float()
-    over = (logits > threshold) & torch.isfinite(logits)
+    over = clipped_heads(logits, threshold)
     return torch.where(over, threshold / torch.where(over, logits, threshold), 1.0)
+
+
+def clipped_heads(logits: Tensor, threshold: float) -> Tensor:
+    """Bool per head: the head is clipped (a finite logit over the threshold)."""
+    return (logits > threshold) & torch.isfinite(logits)
 
 
 def nonfinite_flag(logits: Tensor) -> Tensor:
@@ -488,7 +493,7 @@ def compute_clip_step(
     g = gamma(flat, plan.threshold)
     g_kv = torch.ones(plan.total_kv, device=flat.device).scatter_reduce_(0, kv_of_q, g, "amin")
     table = torch.cat([g.sqrt(), g, g_kv.sqrt(), torch.ones(1, device=flat.device)])
-    clipped = ((flat > plan.threshold) & torch.isfinite(flat)).float()
+    clipped = clipped_heads(flat, plan.threshold).float()
     n_layers = len(plan.layers)
     counts = torch.zeros(n_layers, device=flat.device).index_add_(0, layer_of_q, clipped)
     maxima = torch.full((n_layers,), float("-inf"), device=flat.device).scatter_reduce_(0, layer_of_q, flat, "amax")
@@ -516,7 +521,7 @@ def apply_clip_(local_weight: Tensor, table: Tensor, local_index: Tensor) -> Non
 def describe_nonfinite(qk_logits: Mapping) -> str:
     """The error for NaN/+inf logits, naming the layers (reads the logits: call only to raise)."""
     bad = [layer for layer, t in qk_logits.items()
-           if isinstance(t, Tensor) and bool((torch.isnan(t) | torch.isposinf(t)).any())]
+           if isinstance(t, Tensor) and bool(nonfinite_flag(t))]
     where = f"qk_logits{bad}" if bad else "qk_logits on another rank"
     return (f"Muon.step: {where} contain NaN or +inf; the forward pass diverged or the max was taken over "
             "uninitialised values. Pass finite per-head max logits (-inf, nothing attended, is fine).")
