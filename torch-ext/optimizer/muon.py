@@ -366,6 +366,7 @@ class Muon(Optimizer):
             group=plan.agreement_group,
             device=plan.agreement_device,
             describe_settings=self._settings_record,
+            checksums=plan.checksums,
         )
         qk_count, error_count, closure_count = outcome.host_flags
         nonfinite_count, qk_nonfinite_count = outcome.device_flags
@@ -608,6 +609,7 @@ class _StepView:
         self.dtensor_names = [n for n, _, _ in dt]
         self.described = [_describe(n, p) for n, p, _ in dt]
         self.has_grad = [int(g is not None) for _, _, g in dt]
+        self.checksums = agreement.parameter_checksums(self.described, self.has_grad)  # once, not per step
         self.agreement_group, self.agreement_device = None, torch.device("cpu")
         if dt and dist.is_initialized():
             meshes = {id(p.device_mesh): p for _, p, _ in dt}

@@ -253,7 +253,7 @@ def _wants_split(p: PlanParam, shape: tuple[int, ...], settings: PlanSettings) -
     # "auto": splitting saves (R-1)/R of the unit's Newton-Schulz and ships its update
     # to the other replicas; worth it when the unit does enough FLOPs per byte shipped.
     numel = math.prod(shape)
-    item = torch.empty((), dtype=p.wire_dtype).element_size()
+    item = p.wire_dtype.itemsize
     return numel > 0 and p.cost(shape) / (numel * item) >= settings.replica_min_flops_per_byte
 
 
@@ -270,7 +270,7 @@ def _units(p: PlanParam, batch: tuple[int, ...], count: int, max_cost: float, ma
         sub = (count, *shape[1:]) if len(shape) >= 3 else shape
         return [(None, sub, p.cost(sub))]
     per_cost = p.cost((1, *shape[1:]))
-    per_bytes = math.prod(shape[1:]) * torch.empty((), dtype=p.wire_dtype).element_size()
+    per_bytes = math.prod(shape[1:]) * p.wire_dtype.itemsize
     pieces = 1
     if max_cost > 0:
         pieces = max(pieces, math.ceil(count * per_cost / max_cost))
@@ -298,7 +298,7 @@ def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings:
             whole.append((i, b, count))
             sub = (count, *p.shape[1:]) if len(p.shape) >= 3 else p.shape
             total_cost += p.cost(sub)
-            total_bytes += math.prod(sub) * torch.empty((), dtype=p.wire_dtype).element_size()
+            total_bytes += math.prod(sub) * p.wire_dtype.itemsize
     # owners serving one copy of the model: every rank when split, one replica's ranks otherwise
     owners = len(world) if split else len(world) // lay0.num_replicas
 
@@ -433,7 +433,7 @@ def build_plan(
         split = key[-1]
         jobs, order = _pattern_chunks(params, members, settings, split)
         plan.jobs += len(jobs)
-        view = _RankView(params, params[members[0]].layout, rank, split, resolve_group, params[members[0]])
+        view = _RankView(params, rank, split, resolve_group, params[members[0]])
         for chunk_jobs in order:
             chunk = view.chunk(pattern_index, [jobs[k] for k in chunk_jobs])
             plan.chunks.append(chunk)
@@ -449,7 +449,7 @@ def build_plan(
 
 def _gather_all(params: Sequence[PlanParam], i: int, rank: int, resolve_group) -> GatherAll:
     p = params[i]
-    view = _RankView(params, p.layout, rank, False, resolve_group, p)
+    view = _RankView(params, rank, False, resolve_group, p)
     shape = (*_local_shape(p, rank)[:-2], *p.shape[-2:])  # this rank's experts, whole matrices
     whole = _Job(i, (), None, shape, 0.0, (), None, rank)
     pad = view.padded(whole)
@@ -480,7 +480,7 @@ def _region(leading: slice | None) -> Region:
 def _traffic(chunk: Chunk, params: Sequence[PlanParam]) -> tuple[int, int, int, int]:
     """Bytes this rank sends and receives for a chunk, the chunk's buffer bytes here, and its
     Newton-Schulz workspace (the largest batched call)."""
-    item = torch.empty((), dtype=chunk.wire_dtype).element_size()
+    item = chunk.wire_dtype.itemsize
     me_in_gather = chunk.send_splits[chunk.member] if chunk.send_splits else 0
     gather_recv = chunk.segment * chunk.shard_size
     scatter_send = gather_recv
@@ -502,10 +502,10 @@ def _traffic(chunk: Chunk, params: Sequence[PlanParam]) -> tuple[int, int, int, 
 class _RankView:
     """This rank's part of a pattern: its groups, offsets and index tensors."""
 
-    def __init__(self, params, layout: ParamLayout, rank: int, split: bool, resolve_group, first: PlanParam):
+    def __init__(self, params, rank: int, split: bool, resolve_group, first: PlanParam):
         self.params = params
-        self.split = split
         self.first = first
+        layout = first.layout
         grid = layout.grid
         self.coord = grid.coordinate(rank)
         self.rank = rank
@@ -547,8 +547,8 @@ class _RankView:
             hit = self._padded_cache[key] = (*job.shape[:-2], *dims)
         return hit
 
-    def mine(self, job: _Job, member: int | None = None) -> tuple[int, ...]:
-        ix = self.members(job.param)[self.member if member is None else member]
+    def mine(self, job: _Job) -> tuple[int, ...]:
+        ix = self.members(job.param)[self.member]
         return (*job.shape[:-2], _length(ix[-2]), _length(ix[-1]))
 
     # -- one chunk -----------------------------------------------------------
@@ -612,7 +612,7 @@ class _RankView:
     def _owned(self, job: _Job, offset: int, pad: tuple[int, ...], single: bool) -> Owned:
         members = self.members(job.param)
         lead = len(job.shape) - 2
-        write, read, trash = [], [], []
+        write, read, trash, cpu_rows = [], [], [], []
         for d, size in zip((-2, -1), job.shape[-2:]):
             per = [ix[d] for ix in members]
             if all(isinstance(ix, slice) and ix == slice(0, size) for ix in per):
@@ -625,15 +625,16 @@ class _RankView:
                 rows[k, : idx.numel()] = idx
             padded_any = bool((rows == size).any())
             device = self.params[job.param].device
+            cpu_rows.append(rows)
             write.append(rows.to(device))
             read.append(rows.clamp(max=max(size - 1, 0)).to(device))
             trash.append(padded_any)
         if len(members) == 1:
             zero_copy = True  # the one piece is the unit
         else:
-            rows = write[0]
-            zero_copy = (single and lead == 0 and write[1] is None and rows is not None
-                         and torch.equal(rows.cpu().flatten()[: job.shape[0]], torch.arange(job.shape[0])))
+            # tested on the CPU copy: reading the device copy back would wait for the device
+            zero_copy = (single and lead == 0 and write[0] is not None and write[1] is None
+                         and torch.equal(cpu_rows[0].flatten()[: job.shape[0]], torch.arange(job.shape[0])))
         experts = None
         if lead:
             held = members[0][0]  # every member holds the same experts (matrix dims only differ)

@@ -43,6 +43,13 @@ class Outcome:
     same_device_digest: bool  # the device digest is equal on every rank
 
 
+def parameter_checksums(described_params: Sequence[str], has_grad: Sequence[int]) -> tuple[int, int]:
+    """Checksums of the parameters' descriptions and of which of them have gradients (see :func:`agree`)."""
+    structure = checksum_text("\n".join(described_params))
+    with_grad = sum(checksum_text(f"{i}:{d}") for i, (d, f) in enumerate(zip(described_params, has_grad)) if f)
+    return structure, with_grad % _CHECKSUM_PRIME
+
+
 def agree(
     described_params: Sequence[str],
     has_grad: Sequence[int],
@@ -54,6 +61,7 @@ def agree(
     group: dist.ProcessGroup | None,
     device: torch.device = torch.device("cpu"),
     describe_settings: Callable[[], Mapping[str, str]] | None = None,
+    checksums: tuple[int, int] | None = None,
 ) -> Outcome:
     """One all-reduce over ``group``; raise the same error everywhere if the ranks'
     optimizers differ, else return the summed facts.
@@ -70,13 +78,12 @@ def agree(
     flags, the device flags, and the device digest with its square.  Every
     rank must pass the same number of flags (send zeros for facts it lacks).
     Per-parameter gradient counts are reduced only when the gradient checksums
-    differ, an error path.
+    differ, an error path.  ``checksums``: :func:`parameter_checksums` of the same
+    two lists, when the caller keeps them across steps.
     """
     n = group_size(group)
     num = len(described_params)
-    structure = checksum_text("\n".join(described_params))
-    with_grad = sum(checksum_text(f"{i}:{d}") for i, (d, f) in enumerate(zip(described_params, has_grad)) if f)
-    with_grad %= _CHECKSUM_PRIME
+    structure, with_grad = checksums or parameter_checksums(described_params, has_grad)
     header = [v for x in (num, structure, with_grad, settings) for v in (x, x * x)]
     host = torch.tensor(header + list(host_flags), dtype=torch.int64)
     parts = [_to_device(host, device)]

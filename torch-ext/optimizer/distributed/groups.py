@@ -125,13 +125,6 @@ def group_for(ranks: Sequence[int], mesh=None, mesh_dims: Sequence[int] = ()) ->
     return group
 
 
-def ordered_ranks(group: dist.ProcessGroup | None, ranks: Sequence[int]) -> tuple[int, ...]:
-    """``ranks`` in the group's own order (the order collectives index them by)."""
-    if group is None:
-        return tuple(ranks)
-    return tuple(dist.get_process_group_ranks(group))
-
-
 def _short(ranks: Sequence[int]) -> str:
     ranks = list(ranks)
     return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:4]))}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
