@@ -41,6 +41,7 @@ def _rank(rank, world, store_path, args, out_path):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from optimizer import Muon
+    from optimizer.plan import ns_workspace
     from optimizer.testing import LiveBytes
 
     mesh = init_device_mesh("cpu", (world,))
@@ -60,9 +61,8 @@ def _rank(rank, world, store_path, args, out_path):
         with LiveBytes() as tracker:
             opt.step()
     plan = opt._cached_plan.plan
-    expert = math.prod(shapes[-1]) * 4
-    m = min(shapes[-1][-2:])
-    whole = 3 * expert + 4 * (2 * expert + 2 * shapes[-1][0] * m * m)  # gathered + update + scatter, NS workspace
+    expert = math.prod(shapes[-1]) * 4  # bytes, fp32
+    whole = 3 * expert + 4 * ns_workspace(shapes[-1])  # gathered + update + scatter, NS workspace
     result = dict(rank=rank, peak=tracker.peak, bound=plan.memory_bound(args.lookahead), chunks=len(plan.chunks),
                   owned=plan.owned, jobs=plan.jobs, peak_chunk=plan.peak_chunk_bytes, whole_expert_owner=whole)
     with open(out_path + f".{rank}", "w") as f:

@@ -86,7 +86,7 @@ from optimizer.distributed.layout import MeshGrid, ParamLayout  # noqa: E402
 from optimizer.muon import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
 from optimizer.newton_schulz import newton_schulz_flops  # noqa: E402
 from optimizer.owners import chunked_critical_path  # noqa: E402
-from optimizer.plan import PlanParam, PlanSettings, WorldJob, world_jobs  # noqa: E402
+from optimizer.plan import PlanParam, PlanSettings, WorldJob, ns_workspace, world_jobs  # noqa: E402
 
 TARGET = 1.10
 TARGET_RANKS = (512, 1024)  # issue 10: busiest and critical path <= 1.10x ideal here, MoE models
@@ -202,12 +202,6 @@ def _max_piece(lay: ParamLayout) -> tuple[int, int]:
     return max(s[-2] for s in lengths), max(s[-1] for s in lengths)
 
 
-def _ns_workspace(shape) -> int:
-    """Elements of Newton-Schulz's live tensors for ``shape``: X, next X, A = X X^T, B."""
-    m, n = sorted(shape[-2:])
-    return math.prod(shape[:-2]) * (2 * m * n + 2 * m * m)
-
-
 def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, state_bytes: int,
             compute_bytes: int) -> WorldPlan:
     """Per-rank load, traffic and memory of the plan ``world_jobs(params, settings)``."""
@@ -290,7 +284,7 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
                 # same-shape owned jobs are one batched call, except where the pieces already
                 # are the unit (a shard group of 1: zero-copy, one call each)
                 ws, key = batches[j.owner], (j.shape if S > 1 else k)
-                ws[key] = ws.get(key, 0) + _ns_workspace(j.shape)
+                ws[key] = ws.get(key, 0) + ns_workspace(j.shape)
             buffers, spaces, exchanged = [0] * world, [0] * world, [False] * world
             for r in range(world):
                 T, O = in_group.get(group_of[r], 0), own[r]
@@ -325,7 +319,7 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
         # units held whole: stacked momentum + NS workspace of a same-shape batch, first gathers in
         # flight; a batch holds as many units as fit in a chunk's buffers (at least one), as
         # pipeline.run_local cuts them (StepPlan.local_batch_bytes)
-        unit = {s: math.prod(s) * state_bytes + _ns_workspace(s) * compute_bytes for s in local_groups[r]}
+        unit = {s: math.prod(s) * state_bytes + ns_workspace(s) * compute_bytes for s in local_groups[r]}
         cap = max([max((c[r] for c in chunk_buffers), default=0), *unit.values()])
         batch = max((min(cnt, max(1, cap // unit[s])) * unit[s] for s, cnt in local_groups[r].items()), default=0)
         best = batch + sum(chunk_buffers[c][r] for c in range(min(n, lookahead + 1)))
