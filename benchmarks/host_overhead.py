@@ -39,7 +39,7 @@ from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from optimizer import Muon  # noqa: E402
-from optimizer.distributed.utils import local_indices, numel_of_indices  # noqa: E402
+from optimizer.distributed.placements import local_indices, numel_of_indices  # noqa: E402
 
 DIM = 64
 TARGET_RATIO = 1.5

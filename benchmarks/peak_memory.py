@@ -41,7 +41,7 @@ def _rank(rank, world, store_path, args, out_path):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from optimizer import Muon
-    from optimizer.plan import ns_workspace
+    from optimizer.parallel.plan import ns_workspace
     from optimizer.testing import LiveBytes
 
     mesh = init_device_mesh("cpu", (world,))
@@ -60,7 +60,7 @@ def _rank(rank, world, store_path, args, out_path):
             continue
         with LiveBytes() as tracker:
             opt.step()
-    plan = opt._cached_plan.plan
+    plan = opt._cached_context.plan
     expert = math.prod(shapes[-1]) * 4  # bytes, fp32
     whole = 3 * expert + 4 * ns_workspace(shapes[-1])  # gathered + update + scatter, NS workspace
     result = dict(rank=rank, peak=tracker.peak, bound=plan.memory_bound(args.lookahead), chunks=len(plan.chunks),

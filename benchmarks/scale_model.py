@@ -4,8 +4,8 @@
 
 Nothing runs on a device.  The parameter shapes come from model_shapes.py; the plan
 (units, owners, chunks) is the optimizer's own: every parameter becomes an
-``optimizer.plan.PlanParam`` with a ``ParamLayout`` on a ``MeshGrid`` of global
-ranks, and ``optimizer.plan.world_jobs`` (the rank-independent part of
+``optimizer.parallel.plan.PlanParam`` with a ``ParamLayout`` on a ``MeshGrid`` of global
+ranks, and ``optimizer.parallel.plan.world_jobs`` (the rank-independent part of
 ``build_plan``, which every rank runs) says who orthogonalises what and how the
 jobs are cut into chunks.  This file only measures that plan.
 
@@ -83,10 +83,10 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 from model_shapes import ModelShapes, all_models, total_params  # noqa: E402
 from optimizer.distributed.layout import MeshGrid, ParamLayout  # noqa: E402
-from optimizer.muon import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
+from optimizer.step_context import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
 from optimizer.newton_schulz import newton_schulz_flops  # noqa: E402
-from optimizer.owners import chunked_critical_path  # noqa: E402
-from optimizer.plan import PlanParam, PlanSettings, WorldJob, ns_workspace, world_jobs  # noqa: E402
+from optimizer.parallel.owners import chunked_critical_path  # noqa: E402
+from optimizer.parallel.plan import PlanParam, PlanSettings, WorldJob, ns_workspace, world_jobs  # noqa: E402
 
 TARGET = 1.10
 TARGET_RANKS = (512, 1024)  # issue 10: busiest and critical path <= 1.10x ideal here, MoE models

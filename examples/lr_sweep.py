@@ -12,7 +12,7 @@ the learning rate with the lowest final validation loss.  The result goes to
 ``--out`` (JSON, with the command, the grid, every run's validation curve and
 step time, the corpus fingerprint and the hardware) and a Markdown table next to
 it; ``configs/main.toml`` then takes ``[train] lr`` (Muon) and ``[compare]
-adamw_lr`` from it (``tests/test_main_job.py`` checks that they agree).
+adamw_lr`` from it (``tests/end_to_end/test_main_job.py`` checks that they agree).
 
 Each run is a single process: the optimizer's arithmetic on one device is the
 same as on the mesh (that is what the main job's agreement check verifies), the

@@ -133,7 +133,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
         # The library's helper, GQA keys not repeated.  Asked for the unscaled max and divided
         # as the logits below are: the products q.k are the same and rounding is monotone, so
         # this is bit for bit the largest logit the softmax sees (multiplying by 1/sqrt(d)
-        # instead can differ in the last bit; tests/test_attention_variants.py checks).
+        # instead can differ in the last bit; tests/end_to_end/test_attention_variants.py checks).
         max_logits = eager_max_logits(q.detach(), k.detach(), scale=1.0, is_causal=True) / scale_divisor
     n_rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(n_rep, dim=1)

@@ -63,7 +63,7 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # bf16 Newton–Schulz, per checked step.  Both sides orthogonalise the same momentum in
 # bf16, so they can differ only where the distributed run batches matrices or orders a
 # reduction differently (on CPU they measure exactly 0).  Measured (CPU, the configs'
-# Muon matrices, tests/test_train_flags.py): reordering the columns of a bf16 Newton–Schulz
+# Muon matrices, tests/end_to_end/test_train_flags.py): reordering the columns of a bf16 Newton–Schulz
 # input (the reduction dim of G G^T) moves an output element by up to 7.8e-3 (a few bf16
 # ulps); times each matrix's adjusted lr that is at most 2.6e-4 of a parameter per step
 # (20 Gaussian inputs per shape).  Such differences add up at most linearly over the

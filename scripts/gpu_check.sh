@@ -79,7 +79,7 @@ run step_checks torchrun "$NPROC" scripts/gpu_check_step.py --device "$DEVICE" -
 
 # 2b. the tests that need CUDA (skipped on CPU): flex_attention's max scores
 if [ "$DEVICE" = cuda ]; then
-    run cuda_tests "$PYTHON" -m pytest -q tests/test_max_logits.py
+    run cuda_tests "$PYTHON" -m pytest -q tests/qk_clip/test_max_logits.py
 fi
 
 # 3. benchmarks on the device

@@ -138,9 +138,9 @@ def check_syncs(device, mesh, specs, compute_dtype) -> dict:
             return sum("synchroniz" in str(w.message) for w in caught)
 
         in_step = count(lambda: opt.step(qk_logits=logits))
-        group = opt._cached_plan.agreement_group
+        group = opt._cached_context.agreement_group
         nothing = torch.zeros((), dtype=torch.int64, device=device)
-        in_agreement = count(lambda: agreement.agree(["x"], [1], host_flags=[0, 0, 0], device_flags=[nothing, nothing],
+        in_agreement = count(lambda: agreement.agree(["x"], [1], facts=dict(a=0, b=0, c=0, d=nothing, e=nothing),
                                                      device_digest=nothing, group=group, device=device))
         return dict(syncs_in_step=in_step, syncs_in_agreement_alone=in_agreement, ok=in_step == in_agreement)
     with HostSyncs() as syncs:

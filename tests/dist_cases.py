@@ -34,7 +34,7 @@ def to_dtensor(global_tensor: torch.Tensor, mesh, placements) -> DTensor:
     """Shard a global tensor the way training does: redistribute from Replicate.
 
     (distribute_tensor refuses uneven _StridedShard splits in torch 2.13, and
-    redistribute matches FSDP2's layout; see distributed/utils.py.)
+    redistribute matches FSDP2's layout; see optimizer/distributed/placements.py.)
     """
     replicated = distribute_tensor(global_tensor, mesh, [Replicate()] * mesh.ndim)
     return replicated.redistribute(mesh, placements)

@@ -11,12 +11,14 @@ from .newton_schulz import zeropower_via_newtonschulz
 from .param_groups import get_default_muon_param_groups
 from .qk_clip import QKClipConfig
 from .row_blocks import HeadBlocks, SplitQKV
+from .settings import MuonSettings
 
 __all__ = [
     "FusedQKV",
     "HeadBlocks",
     "MLAHeads",
     "Muon",
+    "MuonSettings",
     "QKClipConfig",
     "SplitQKV",
     "eager_max_logits",

@@ -116,18 +116,7 @@ def adamw_step_(
     for idx in batches.values():
         ps = [params[i] for i in idx]
         steps = [state_steps[i] for i in idx]
-        use_fused = fused
-        if use_fused is None:
-            use_fused = all(_wants_fused(p) for p in ps) and all(s.device.type == "cuda" for s in steps)
-        use_foreach = foreach
-        if use_foreach is None:
-            use_foreach = not use_fused and (compiling or not tensor_lr)
-        if use_foreach and tensor_lr and not compiling:
-            raise ValueError(
-                "AdamW: a Tensor lr with foreach=True needs torch's capturable path, which runs "
-                "only under torch.compile or on CUDA; pass foreach=None (the single-tensor loop is "
-                "used) or a float lr"
-            )
+        use_foreach, use_fused = _implementation(ps, steps, foreach, fused, tensor_lr, compiling)
         _torch_adamw(
             ps,
             [grads[i] for i in idx],
@@ -148,6 +137,24 @@ def adamw_step_(
             eps=eps,
             maximize=maximize,
         )
+
+
+def _implementation(params, steps, foreach, fused, tensor_lr: bool, compiling: bool) -> tuple[bool, bool]:
+    """``(foreach, fused)`` for one batch: as asked, else fused where every tensor is a CUDA float
+    with its step on CUDA, foreach elsewhere (the single-tensor loop for an eager Tensor lr)."""
+    use_fused = fused
+    if use_fused is None:
+        use_fused = all(_wants_fused(p) for p in params) and all(s.device.type == "cuda" for s in steps)
+    use_foreach = foreach
+    if use_foreach is None:
+        use_foreach = not use_fused and (compiling or not tensor_lr)
+    if use_foreach and tensor_lr and not compiling:
+        raise ValueError(
+            "AdamW: a Tensor lr with foreach=True needs torch's capturable path, which runs "
+            "only under torch.compile or on CUDA; pass foreach=None (the single-tensor loop is "
+            "used) or a float lr"
+        )
+    return use_foreach, use_fused
 
 
 def adamw_group_step_(group: Mapping, state: MutableMapping) -> None:

@@ -11,7 +11,7 @@ attention module reshapes those features into heads.  How it does so differs bet
 
 A :class:`RowLayout` records, for every *global* row of one weight, its :class:`Part` and its head
 (the query head for query parts, the key/value head for key and value parts).  QK-clip turns
-that into per-row scales (``qk_clip_plan.py``); split orthogonalisation turns it into row blocks
+that into per-row scales (``qk_clip/plan.py``); split orthogonalisation turns it into row blocks
 (``row_blocks.py``).  Everything here is pure: shapes and integers in, CPU LongTensors out.
 
 Head ``h`` of ``n_q`` query heads uses key/value head ``h // (n_q // n_kv)`` (grouped-query
@@ -104,11 +104,6 @@ def separate_q_layout(n_heads: int, head_dim: int, n_kv_heads: int | None = None
 def separate_k_layout(n_kv_heads: int, head_dim: int, n_q_heads: int | None = None) -> RowLayout:
     """A key weight ``[n_kv_heads * head_dim, in]`` (``wk``, ``k_proj``)."""
     return _layout([(Part.K, _heads_grid(n_kv_heads, head_dim))], n_q_heads or n_kv_heads, n_kv_heads)
-
-
-def separate_v_layout(n_kv_heads: int, head_dim: int, n_q_heads: int | None = None) -> RowLayout:
-    """A value weight ``[n_kv_heads * head_dim, in]`` (``wv``, ``v_proj``)."""
-    return _layout([(Part.V, _heads_grid(n_kv_heads, head_dim))], n_q_heads or n_kv_heads, n_kv_heads)
 
 
 # --------------------------------------------------------------------------- fused QKV

@@ -64,23 +64,9 @@ def eager_max_logits(
     Returns a float32 ``[Hq]`` tensor on the query's device; a head with nothing visible gets
     ``-inf`` (QK-clip leaves such heads alone).
     """
-    if query.ndim != 4 or key.ndim != 4:
-        raise ValueError(
-            f"eager_max_logits: query and key must be [batch, heads, seq, head_dim], got {tuple(query.shape)} and "
-            f"{tuple(key.shape)} (transpose [batch, seq, heads, head_dim] tensors with .transpose(1, 2))"
-        )
+    _check_inputs(query, key, attn_mask)
     B, Hq, Lq, D = query.shape
-    Bk, Hkv, Lk, Dk = key.shape
-    if Bk != B or Dk != D or Hkv == 0 or Hq % Hkv:
-        raise ValueError(
-            f"eager_max_logits: query {tuple(query.shape)} and key {tuple(key.shape)} do not match: same batch and "
-            "head_dim, and query heads a multiple of key heads"
-        )
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        raise ValueError(
-            "eager_max_logits: attn_mask must be boolean (True = attend); an additive float mask changes the "
-            "scores, not q.k, so pass the boolean pattern it encodes"
-        )
+    Hkv, Lk = key.shape[1], key.shape[2]
     scale = D ** -0.5 if scale is None else float(scale)
     group = Hq // Hkv
     if chunk_size is None:
@@ -101,23 +87,52 @@ def eager_max_logits(
         keys = kv_idx[:seen]
         q = rearrange(query[:, :, start:stop].to(compute_dtype), "b (kv g) l d -> b kv g l d", g=group)
         scores = rearrange(torch.matmul(q, k_t[..., :seen]).float().mul_(scale), "b kv g l lk -> b (kv g) l lk")
-        visible = None
-        if is_causal:
-            q_idx = torch.arange(start, stop, device=query.device)
-            visible = keys[None, :] <= q_idx[:, None]
-        if attn_mask is not None:
-            chunk = attn_mask[:, :, start:stop, :seen]
-            visible = chunk if visible is None else visible & chunk
-        if mask_mod is not None:
-            b = torch.arange(B, device=query.device).view(B, 1, 1, 1)
-            h = torch.arange(Hq, device=query.device).view(1, Hq, 1, 1)
-            qi = torch.arange(start, stop, device=query.device).view(1, 1, -1, 1)
-            allowed = torch.as_tensor(mask_mod(b, h, qi, keys.view(1, 1, 1, seen)), device=query.device)
-            visible = allowed if visible is None else visible & allowed
+        visible = _visible(keys, start, stop, (B, Hq), is_causal, attn_mask, mask_mod)
         if visible is not None:
             scores = scores.masked_fill_(~visible.expand_as(scores), float("-inf"))
         best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
     return best
+
+
+def _check_inputs(query: Tensor, key: Tensor, attn_mask: Tensor | None) -> None:
+    if query.ndim != 4 or key.ndim != 4:
+        raise ValueError(
+            f"eager_max_logits: query and key must be [batch, heads, seq, head_dim], got {tuple(query.shape)} and "
+            f"{tuple(key.shape)} (transpose [batch, seq, heads, head_dim] tensors with .transpose(1, 2))"
+        )
+    B, Hq, _, D = query.shape
+    Bk, Hkv, _, Dk = key.shape
+    if Bk != B or Dk != D or Hkv == 0 or Hq % Hkv:
+        raise ValueError(
+            f"eager_max_logits: query {tuple(query.shape)} and key {tuple(key.shape)} do not match: same batch and "
+            "head_dim, and query heads a multiple of key heads"
+        )
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        raise ValueError(
+            "eager_max_logits: attn_mask must be boolean (True = attend); an additive float mask changes the "
+            "scores, not q.k, so pass the boolean pattern it encodes"
+        )
+
+
+def _visible(keys: Tensor, start: int, stop: int, batch_heads: tuple[int, int], is_causal: bool,
+             attn_mask: Tensor | None, mask_mod: Callable | None) -> Tensor | None:
+    """Which (query of ``start:stop``, key of ``keys``) pairs are visible, or None for all of them."""
+    device, seen = keys.device, keys.numel()
+    visible = None
+    if is_causal:
+        q_idx = torch.arange(start, stop, device=device)
+        visible = keys[None, :] <= q_idx[:, None]
+    if attn_mask is not None:
+        chunk = attn_mask[:, :, start:stop, :seen]
+        visible = chunk if visible is None else visible & chunk
+    if mask_mod is not None:
+        B, Hq = batch_heads
+        b = torch.arange(B, device=device).view(B, 1, 1, 1)
+        h = torch.arange(Hq, device=device).view(1, Hq, 1, 1)
+        qi = torch.arange(start, stop, device=device).view(1, 1, -1, 1)
+        allowed = torch.as_tensor(mask_mod(b, h, qi, keys.view(1, 1, 1, seen)), device=device)
+        visible = allowed if visible is None else visible & allowed
+    return visible
 
 
 def max_logits_from_flex(max_scores) -> Tensor:

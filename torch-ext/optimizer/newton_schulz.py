@@ -158,7 +158,7 @@ def default_compute_dtype(device: torch.device | str) -> torch.dtype:
 # (|b| |r| + |c| r^2) / |a|. With 1%, fp32 runs 5 steps in one segment (the 5th is 0.2% off
 # with the fixed table, 0.8% with Polar Express) and 10 in two of 5 (a 6th would be 2% off;
 # measured, 6+4 steps left singular values of ill-conditioned inputs up to 0.16 off the fp64
-# iteration, 5+5 at most 4e-3, 1.3e-2 at condition number 1e6: tests/test_newton_schulz_gram.py,
+# iteration, 5+5 at most 4e-3, 1.3e-2 at condition number 1e6: tests/rule/test_newton_schulz_gram.py,
 # benchmarks/ns_efficiency.py --restart-study). In bf16 the second step would already be 6.4%
 # off, so every segment is one step (up to Polar Express's converged steps past the 5th), which
 # is the classic iteration: the Gram form has no accurate FLOP saving in bf16. (There 2-step
@@ -382,7 +382,6 @@ def _gram_iterations(X: Tensor, steps: Sequence[Coefficients], plan: Sequence[in
     its own relative accuracy (as the classic form's ``a X + B X`` does).
     """
     symmetric = _uses_symmetric_blocks(X)
-    addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
     mm = torch.mm if X.ndim == 2 else torch.bmm
     first = 0
     for length in plan:
@@ -448,8 +447,3 @@ def _symmetric_product(
         addmm(C[..., :h, h:], L[..., :h, :], R[..., :, h:], beta=beta, alpha=alpha, out=upper)
     out[..., h:, :h] = upper.mT
     return out
-
-
-def _symmetric_gram(X: Tensor, out: Tensor | None = None) -> Tensor:
-    """``X @ X.mT`` for X [..., s, k], computing only the diagonal and upper blocks."""
-    return _symmetric_product(X, X.mT, out=out)

@@ -16,8 +16,8 @@ spec for every parameter of the group or a dict ``{param_name: spec}`` (named gr
   that partition the rows).  Callables cannot be saved in a checkpoint; the others are plain
   picklable values.
 
-Blocks of equal shape are orthogonalised in one batched call (:func:`orthogonalize_in_blocks`).
-The learning-rate adjustment uses each block's own shape: the function multiplies block ``b``'s
+Blocks of equal shape are orthogonalised in one batched call (``rule.orthogonalize_in_blocks``).
+The learning-rate adjustment uses each block's own shape: the rule multiplies block ``b``'s
 orthogonalised update by ``adjust_lr(1, shape_b) / adjust_lr(1, full_shape)``, so that the caller
 applies the whole matrix's adjusted lr as usual and every block ends up with its own: with
 ``"match_rms_adamw"`` a ``[128, 4096]`` head of a ``[12288, 4096]`` weight is multiplied by
@@ -28,14 +28,13 @@ applies the whole matrix's adjusted lr as usual and every block ends up with its
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from .attention_layouts import FusedQKV, Part
-from .muon_math import adjust_lr
 
 ROW_BLOCKS_KEY = "muon_row_blocks"
 _HEADS_RE = re.compile(r"^heads:(\d+)$")
@@ -220,41 +219,3 @@ def compile_blocks(blocks: Sequence, num_rows: int, name: str = "weight") -> Row
         by_size.setdefault(r.numel(), []).append(r)
     classes = tuple(BlockClass(torch.cat(rs), len(rs), size) for size, rs in by_size.items())
     return RowBlocks(num_rows=num_rows, blocks=tuple(blocks), classes=classes)
-
-
-def block_lr_factor(rows_per_block: int, full_shape: Sequence[int], mode: str | None) -> float:
-    """``adjust_lr(1, [rows_per_block, in]) / adjust_lr(1, full_shape)`` (1 without adjustment)."""
-    return adjust_lr(1.0, (rows_per_block, full_shape[-1]), mode) / adjust_lr(1.0, tuple(full_shape), mode)
-
-
-def orthogonalize_in_blocks(
-    matrix: Tensor,
-    blocks: RowBlocks | Sequence,
-    orthogonalize: Callable[[Tensor], Tensor],
-    *,
-    adjust_lr_mode: str | None = None,
-) -> Tensor:
-    """Orthogonalise each row block of a 2-D ``matrix`` as its own matrix; same-shape blocks batched.
-
-    ``orthogonalize`` takes ``[batch, rows, cols]`` (``zeropower_via_newtonschulz`` does).  With
-    ``adjust_lr_mode`` every block's result is multiplied by :func:`block_lr_factor`, so that the
-    caller's usual ``param -= adjust_lr(lr, full_shape) * update`` gives each block its own
-    adjusted lr.  Returns a tensor of ``matrix``'s shape in ``orthogonalize``'s output dtype.
-    """
-    if matrix.ndim != 2:
-        raise ValueError(f"orthogonalize_in_blocks: expected a 2-D matrix, got shape {tuple(matrix.shape)}")
-    if not isinstance(blocks, RowBlocks):
-        blocks = compile_blocks(blocks, matrix.shape[0])
-    if blocks.num_rows != matrix.shape[0]:
-        raise ValueError(f"orthogonalize_in_blocks: blocks cover {blocks.num_rows} rows, the matrix has {matrix.shape[0]}")
-    out = None
-    for cls, rows in zip(blocks.classes, blocks.class_rows(matrix.device)):
-        x = matrix.index_select(0, rows).view(cls.count, cls.rows_per_block, matrix.shape[1])
-        y = orthogonalize(x)
-        factor = block_lr_factor(cls.rows_per_block, matrix.shape, adjust_lr_mode)
-        if factor != 1.0:
-            y = y * factor
-        if out is None:
-            out = torch.empty(matrix.shape, dtype=y.dtype, device=matrix.device)
-        out.index_copy_(0, rows, y.reshape(-1, matrix.shape[1]))
-    return out

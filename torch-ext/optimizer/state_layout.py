@@ -156,7 +156,7 @@ def check_loadable(opt: torch.optim.Optimizer, state_dict: Any) -> None:
     """Raise ValueError, before anything is loaded, if ``state_dict`` cannot be loaded into ``opt``.
 
     Checks the layout version, that the groups match (count, sizes, ``use_muon``,
-    ``param_names``) and every parameter's state (keys, shapes, and DTensor-ness and
+    ``param_names``, row blocks) and every parameter's state (keys, shapes, and DTensor-ness and
     placements, which a plain state dict cannot change).
     """
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
@@ -165,7 +165,19 @@ def check_loadable(opt: torch.optim.Optimizer, state_dict: Any) -> None:
             f"or get_optimizer_state_dict), got {type(state_dict).__name__}"
             + (f" with keys {sorted(map(str, state_dict))}" if isinstance(state_dict, Mapping) else "")
         )
-    saved_groups, live_groups = list(state_dict["param_groups"]), opt.param_groups
+    saved_groups = list(state_dict["param_groups"])
+    _check_versions(saved_groups)
+    owners = _check_groups(saved_groups, opt.param_groups)
+    for pid, entry in state_dict["state"].items():
+        if pid not in owners:
+            raise ValueError(
+                f"Muon.load_state_dict: the checkpoint has state for parameter {pid!r}, which none of its "
+                "param groups lists; the checkpoint is damaged or was edited."
+            )
+        _check_param_state(entry, *owners[pid])
+
+
+def _check_versions(saved_groups: list[Mapping]) -> None:
     for gi, group in enumerate(saved_groups):
         version = group.get(VERSION_KEY)
         if version is None:
@@ -179,83 +191,87 @@ def check_loadable(opt: torch.optim.Optimizer, state_dict: Any) -> None:
                 f"Muon.load_state_dict: the checkpoint's {_group_label(group, gi)} has state layout version "
                 f"{version!r}, but this Muon reads version {LAYOUT_VERSION}. " + _FRESH_START
             )
+
+
+def _check_groups(saved_groups: list[Mapping], live_groups: list[Mapping]) -> dict[Any, tuple]:
+    """The groups match; returns ``{saved param id: (live param, name, use_muon)}``."""
     if len(saved_groups) != len(live_groups):
         raise ValueError(
             f"Muon.load_state_dict: the checkpoint has {len(saved_groups)} param groups but this optimizer has "
             f"{len(live_groups)}; build the optimizer with the same param groups, in the same order, as the "
             "run that saved it."
         )
-    owner: dict[Any, tuple[torch.Tensor, str, bool]] = {}
+    owners: dict[Any, tuple[torch.Tensor, str, bool]] = {}
     for gi, (saved, live) in enumerate(zip(saved_groups, live_groups)):
-        if saved.get("use_muon") != live["use_muon"]:
-            raise ValueError(
-                f"Muon.load_state_dict: the checkpoint's {_group_label(saved, gi)} has use_muon="
-                f"{saved.get('use_muon')!r} but this optimizer's has use_muon={live['use_muon']!r}; build the "
-                "param groups in the same order as the run that saved it."
-            )
-        saved_names, live_names = saved.get("param_names"), live.get("param_names")
-        if saved_names is not None and live_names is not None:
-            problem = names_mismatch(list(saved_names), list(live_names))
-            if problem is not None:
-                raise ValueError(
-                    f"Muon.load_state_dict: the parameters of the checkpoint's param_groups[{gi}] do not match "
-                    f"this optimizer's: {problem}."
-                )
-        if len(saved["params"]) != len(live["params"]):
-            raise ValueError(
-                f"Muon.load_state_dict: the checkpoint's {_group_label(saved, gi)} has {len(saved['params'])} "
-                f"parameters but this optimizer's {_group_label(live, gi)} has {len(live['params'])}; build the "
-                "param groups from the same model, in the same order, as the run that saved it."
-            )
-        names = list(live_names) if live_names else [f"param_groups[{gi}]['params'][{j}]"
-                                                       for j in range(len(live["params"]))]
-        if live["use_muon"]:
-            # by canonical name on both sides, as the names themselves are compared above
-            problem = row_blocks_mismatch(_canonical_keys(saved.get(ROW_BLOCKS_KEY)),
-                                          _canonical_keys(live.get(ROW_BLOCKS_KEY)),
-                                          [canonical_name(n) for n in names], f"param_groups[{gi}]")
-            if problem is not None:
-                raise ValueError(f"Muon.load_state_dict: {problem}.")
+        names = _check_group(gi, saved, live)
         for pid, p, name in zip(saved["params"], live["params"], names):
-            owner[pid] = (p, name, live["use_muon"])
+            owners[pid] = (p, name, live["use_muon"])
+    return owners
 
-    for pid, entry in state_dict["state"].items():
-        if pid not in owner:
-            raise ValueError(
-                f"Muon.load_state_dict: the checkpoint has state for parameter {pid!r}, which none of its "
-                "param groups lists; the checkpoint is damaged or was edited."
-            )
-        p, name, use_muon = owner[pid]
-        expected = MUON_STATE_KEYS if use_muon else ADAMW_STATE_KEYS_SET
-        if not isinstance(entry, Mapping) or set(entry) != expected:
-            got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
-            raise ValueError(
-                f"Muon.load_state_dict: the checkpoint's state for '{name}' has {got}, but a "
-                f"{'Muon' if use_muon else 'AdamW'} parameter's state is {sorted(expected)} (layout version "
-                f"{LAYOUT_VERSION}); the checkpoint was written by another optimizer or layout. " + _FRESH_START
-            )
-        for key, value in entry.items():
-            if key == "step":
-                if not (torch.is_tensor(value) and value.numel() == 1) and not isinstance(value, (int, float)):
-                    raise ValueError(f"Muon.load_state_dict: state 'step' of '{name}' must be a scalar, got {value!r}")
-                continue
-            if not torch.is_tensor(value) or tuple(value.shape) != tuple(p.shape):
-                shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-                raise ValueError(
-                    f"Muon.load_state_dict: state '{key}' of '{name}' has shape {shape} but the parameter has "
-                    f"shape {tuple(p.shape)}; the checkpoint belongs to a different model."
-                )
-            if is_dtensor(p) != is_dtensor(value) or (
-                is_dtensor(p)
-                and (tuple(value.placements) != tuple(p.placements) or value.device_mesh != p.device_mesh)
-            ):
-                def where(t):
-                    return f"a DTensor with placements {tuple(t.placements)}" if is_dtensor(t) else "a plain tensor"
 
-                raise ValueError(
-                    f"Muon.load_state_dict: state '{key}' of '{name}' is {where(value)} but the parameter is "
-                    f"{where(p)}. " + _RESHARD_HINT
-                )
+def _check_group(gi: int, saved: Mapping, live: Mapping) -> list[str]:
+    """One group's kind, names, size and row blocks; returns the live parameters' names."""
+    if saved.get("use_muon") != live["use_muon"]:
+        raise ValueError(
+            f"Muon.load_state_dict: the checkpoint's {_group_label(saved, gi)} has use_muon="
+            f"{saved.get('use_muon')!r} but this optimizer's has use_muon={live['use_muon']!r}; build the "
+            "param groups in the same order as the run that saved it."
+        )
+    saved_names, live_names = saved.get("param_names"), live.get("param_names")
+    if saved_names is not None and live_names is not None:
+        problem = names_mismatch(list(saved_names), list(live_names))
+        if problem is not None:
+            raise ValueError(
+                f"Muon.load_state_dict: the parameters of the checkpoint's param_groups[{gi}] do not match "
+                f"this optimizer's: {problem}."
+            )
+    if len(saved["params"]) != len(live["params"]):
+        raise ValueError(
+            f"Muon.load_state_dict: the checkpoint's {_group_label(saved, gi)} has {len(saved['params'])} "
+            f"parameters but this optimizer's {_group_label(live, gi)} has {len(live['params'])}; build the "
+            "param groups from the same model, in the same order, as the run that saved it."
+        )
+    names = list(live_names) if live_names else [f"param_groups[{gi}]['params'][{j}]" for j in range(len(live["params"]))]
+    if live["use_muon"]:
+        # by canonical name on both sides, as the names themselves are compared above
+        problem = row_blocks_mismatch(_canonical_keys(saved.get(ROW_BLOCKS_KEY)), _canonical_keys(live.get(ROW_BLOCKS_KEY)),
+                                      [canonical_name(n) for n in names], f"param_groups[{gi}]")
+        if problem is not None:
+            raise ValueError(f"Muon.load_state_dict: {problem}.")
+    return names
+
+
+def _check_param_state(entry: Any, p: torch.Tensor, name: str, use_muon: bool) -> None:
+    expected = MUON_STATE_KEYS if use_muon else ADAMW_STATE_KEYS_SET
+    if not isinstance(entry, Mapping) or set(entry) != expected:
+        got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
+        raise ValueError(
+            f"Muon.load_state_dict: the checkpoint's state for '{name}' has {got}, but a "
+            f"{'Muon' if use_muon else 'AdamW'} parameter's state is {sorted(expected)} (layout version "
+            f"{LAYOUT_VERSION}); the checkpoint was written by another optimizer or layout. " + _FRESH_START
+        )
+    for key, value in entry.items():
+        if key == "step":
+            if not (torch.is_tensor(value) and value.numel() == 1) and not isinstance(value, (int, float)):
+                raise ValueError(f"Muon.load_state_dict: state 'step' of '{name}' must be a scalar, got {value!r}")
+            continue
+        if not torch.is_tensor(value) or tuple(value.shape) != tuple(p.shape):
+            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise ValueError(
+                f"Muon.load_state_dict: state '{key}' of '{name}' has shape {shape} but the parameter has "
+                f"shape {tuple(p.shape)}; the checkpoint belongs to a different model."
+            )
+        if is_dtensor(p) != is_dtensor(value) or (
+            is_dtensor(p) and (tuple(value.placements) != tuple(p.placements) or value.device_mesh != p.device_mesh)
+        ):
+            raise ValueError(
+                f"Muon.load_state_dict: state '{key}' of '{name}' is {_where(value)} but the parameter is "
+                f"{_where(p)}. " + _RESHARD_HINT
+            )
+
+
+def _where(t: torch.Tensor) -> str:
+    return f"a DTensor with placements {tuple(t.placements)}" if is_dtensor(t) else "a plain tensor"
 
 
 def qk_clip_from_groups(saved_groups: list[Mapping], live: QKClipConfig | None) -> QKClipConfig | None:

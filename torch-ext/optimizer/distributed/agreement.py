@@ -38,8 +38,7 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 class Outcome:
     ranks: int  # how many ranks agreed
     grad_counts: list[int]  # per DTensor parameter: ranks on which it has a gradient
-    host_flags: list[int]  # each summed over ranks
-    device_flags: list[int]  # each summed over ranks
+    counts: dict[str, int]  # every named fact, summed over ranks
     same_device_digest: bool  # the device digest is equal on every rank
 
 
@@ -54,8 +53,7 @@ def agree(
     described_params: Sequence[str],
     has_grad: Sequence[int],
     *,
-    host_flags: Sequence[int],
-    device_flags: Sequence[torch.Tensor] = (),
+    facts: Mapping[str, int | torch.Tensor],
     settings: int = 0,
     device_digest: torch.Tensor,
     group: dist.ProcessGroup | None,
@@ -74,20 +72,23 @@ def agree(
     all-reduce of a normal step has a fixed size: the number of parameters, a
     checksum of their descriptions, a checksum of which have gradients and a
     checksum of the settings, each with its square (``sum**2 == n *
-    sum_of_squares`` exactly when all ranks sent the same value), the host
-    flags, the device flags, and the device digest with its square.  Every
-    rank must pass the same number of flags (send zeros for facts it lacks).
-    Per-parameter gradient counts are reduced only when the gradient checksums
-    differ, an error path.  ``checksums``: :func:`parameter_checksums` of the same
-    two lists, when the caller keeps them across steps.
+    sum_of_squares`` exactly when all ranks sent the same value), the named
+    ``facts`` (host ints, or 0-d device tensors computed on the device), and the
+    device digest with its square.  Every rank must pass the same fact names (send
+    zeros for facts it lacks); they are laid out in sorted order.  Per-parameter
+    gradient counts are reduced only when the gradient checksums differ, an error
+    path.  ``checksums``: :func:`parameter_checksums` of the same two lists, when
+    the caller keeps them across steps.
     """
     n = group_size(group)
     num = len(described_params)
     structure, with_grad = checksums or parameter_checksums(described_params, has_grad)
     header = [v for x in (num, structure, with_grad, settings) for v in (x, x * x)]
-    host = torch.tensor(header + list(host_flags), dtype=torch.int64)
-    parts = [_to_device(host, device)]
-    parts += [f.to(device=device, dtype=torch.int64, non_blocking=True).reshape(1) for f in device_flags]
+    names = sorted(facts)
+    host = [name for name in names if not torch.is_tensor(facts[name])]
+    on_device = [name for name in names if torch.is_tensor(facts[name])]
+    parts = [_to_device(torch.tensor(header + [int(facts[k]) for k in host], dtype=torch.int64), device)]
+    parts += [facts[k].to(device=device, dtype=torch.int64, non_blocking=True).reshape(1) for k in on_device]
     d = device_digest.to(device=device, dtype=torch.int64, non_blocking=True).reshape(1)
     parts += [d, d * d]
     vector = torch.cat(parts)
@@ -107,12 +108,10 @@ def agree(
     else:
         grad_counts = sum_over_ranks(list(has_grad), group, device)
     k = len(header)
-    flags = totals[k: k + len(host_flags)]
-    k += len(host_flags)
-    dev = totals[k: k + len(device_flags)]
-    k += len(device_flags)
+    counts = dict(zip(host + on_device, totals[k: k + len(names)]))
+    k += len(names)
     same_digest = totals[k] ** 2 == n * totals[k + 1]
-    return Outcome(n, grad_counts, flags, dev, same_digest)
+    return Outcome(n, grad_counts, counts, same_digest)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -25,7 +25,7 @@ from typing import Sequence
 
 from torch.distributed.tensor.placement_types import Placement
 
-from .utils import Index, _check_placements, local_indices
+from .placements import Index, check_placements, local_indices
 
 Coordinate = tuple[int, ...]
 
@@ -112,7 +112,7 @@ class ParamLayout:
                 f"{len(self.placements)} placements for a {len(self.grid.shape)}-D mesh: give one per mesh dim"
             )
         ndim = len(self.shape)
-        dims = _check_placements(self.placements, ndim)
+        dims = check_placements(self.placements, ndim)
         object.__setattr__(self, "matrix_dims", tuple(m for m, d in enumerate(dims) if d is not None and d >= ndim - 2))
         object.__setattr__(self, "batch_dims", tuple(m for m, d in enumerate(dims) if d is not None and d < ndim - 2))
         object.__setattr__(self, "replica_dims", tuple(m for m, d in enumerate(dims) if d is None))

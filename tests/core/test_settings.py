@@ -1,0 +1,229 @@
+"""Every option is declared once (``optimizer.settings``) and everything else follows from the
+declarations: the constructor, validation, the cross-rank agreement, pickling and the step
+plan's cache key.
+
+The agreement test enumerates the declarations themselves, so an option added later is covered
+(or this test fails until it has an alternative value below); the dummy-option test adds an
+option to the declarations inside the test only and shows that it is agreed, pickled and part of
+the cache key with no other change.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import math
+import pickle
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from dist_cases import build_groups, make_case_tensors, outcome, parse_placement, to_dtensor
+from harness import run_ranks
+from optimizer import Muon, MuonSettings, QKClipConfig, settings
+from optimizer.settings import GROUP_OPTIONS, MUON, GroupOption
+
+SPECS = [
+    ("layers.0.attention.wq.weight", (8, 12), ["S0"]),
+    ("layers.0.attention.wk.weight", (8, 12), ["S0"]),
+    ("layers.0.ffn.w1.weight", (10, 12), ["S1"]),
+    ("layers.0.norm.weight", (12,), ["S0"]),
+]
+
+# A valid value other than the default, for every declared option (constructor keywords and
+# per-group options).  A new option without an entry fails test_every_option_has_an_alternative.
+CONSTRUCTOR_ALTERNATIVES = {
+    "lr": 0.03, "weight_decay": 0.2, "momentum": 0.9, "nesterov": False, "ns_steps": 4,
+    "ns_coefficients": "polar_express", "ns_method": "classic", "adjust_lr": "original", "adamw_eps": 1e-6,
+    "adamw_betas": (0.8, 0.9), "maximize": True, "eps": 1e-6, "compute_dtype": torch.float64,
+    "qk_clip": QKClipConfig(head_dim=4, threshold=1e9), "distributed_mode": "gather", "chunk_size": 1,
+    "lookahead": 2, "replica_split": "never", "replica_split_flops_per_byte": 7.0, "skip_nonfinite": True,
+}
+GROUP_ALTERNATIVES = {
+    "lr": 0.03, "weight_decay": 0.2, "momentum": 0.9, "nesterov": False, "ns_steps": 4,
+    "ns_coefficients": "polar_express", "ns_method": "classic", "adjust_lr": "original", "eps": 1e-6,
+    "betas": (0.8, 0.9), "maximize": True, "muon_row_blocks": "heads:2",
+}
+
+
+def test_every_option_has_an_alternative():
+    assert set(CONSTRUCTOR_ALTERNATIVES) == set(settings.constructor_keywords())
+    assert set(GROUP_ALTERNATIVES) == {o.name for o in GROUP_OPTIONS}
+    for key, value in CONSTRUCTOR_ALTERNATIVES.items():
+        assert value != settings.constructor_keywords()[key], key
+
+
+def test_the_signature_and_docstring_come_from_the_declarations():
+    sig = inspect.signature(Muon)
+    keywords = {k: p.default for k, p in sig.parameters.items() if k != "params"}
+    assert keywords == settings.constructor_keywords()
+    for field in dataclasses.fields(MuonSettings):
+        assert field.name in Muon.__init__.__doc__
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lookahed'"):
+        Muon([{"params": [torch.nn.Parameter(torch.ones(2, 2))], "use_muon": True}], lookahed=2)
+
+
+def _every_option_differing(rank, world_size, cases):
+    mesh = init_device_mesh("cpu", (world_size,))
+    params, grads = make_case_tensors(SPECS, 1)
+    out = {}
+    for kind, key, value in cases:
+        named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
+                 for n, _, pl in SPECS]
+        groups = build_groups(named)
+        kwargs = dict(lr=0.02)
+        if rank == world_size - 1:
+            if kind == "constructor":
+                kwargs[key] = value
+            else:
+                groups[0 if settings.GROUP_OPTION[key].kinds[0] == MUON else 1][key] = value
+        opt = Muon(groups, **kwargs)
+        for n, p in named:
+            p.grad = to_dtensor(grads[0][n], mesh, p.placements)
+        before = [p.to_local().clone() for _, p in named]
+        result = outcome(opt.step)
+        unchanged = all(torch.equal(p.to_local(), b) for (_, p), b in zip(named, before)) and not opt.state
+        out[(kind, key)] = (result, unchanged)
+    return out
+
+
+def test_every_declared_option_set_differently_on_one_rank_is_refused_on_every_rank_by_name():
+    cases = [("constructor", k, v) for k, v in CONSTRUCTOR_ALTERNATIVES.items()]
+    cases += [("group", k, v) for k, v in GROUP_ALTERNATIVES.items()]
+    results = run_ranks(_every_option_differing, 2, cases, timeout=120)
+    for kind, key, _ in cases:
+        seen = [r[(kind, key)] for r in results]
+        messages = {msg for (_, msg), _ in seen}
+        assert len(messages) == 1, (key, messages)  # the same error on both ranks
+        (exc, msg), _ = seen[0]
+        # the constructor keyword sets the group option of its declared name (adamw_eps -> eps)
+        name = {o.ctor_keyword: o.name for o in GROUP_OPTIONS}.get(key, key) if kind == "constructor" else key
+        assert exc == "RuntimeError" and "settings differ" in msg and name in msg, (key, msg)
+        assert "rank 0" in msg and "rank 1" in msg, msg
+        assert all(unchanged for _, unchanged in seen), key
+
+
+# ------------------------------------------------------------------ a dummy option, in this test only
+
+
+def _option_field(default):
+    return dataclasses.field(default=default, metadata={"declared": settings.Declared(
+        "a dummy option", lambda value, where, context: settings.check_number(where, value, low=0.0), plan=True)})
+
+
+@pytest.fixture
+def dummy_options(monkeypatch):
+    """``dummy`` (optimizer-wide) and ``dummy_beta`` (per Muon group), declared and nothing else."""
+    with_dummy = dataclasses.make_dataclass(
+        "MuonSettings", [("dummy", float, _option_field(0.5))], bases=(MuonSettings,), frozen=True)
+    with_dummy.__module__ = settings.__name__  # pickle finds it where it finds MuonSettings
+    monkeypatch.setattr(settings, "MuonSettings", with_dummy)
+    dummy_beta = GroupOption("dummy_beta", (MUON,), 0.25, "a dummy group option",
+                             lambda value, where, context: settings.check_number(where, value, low=0.0), plan=True)
+    monkeypatch.setattr(settings, "GROUP_OPTIONS", (*GROUP_OPTIONS, dummy_beta))
+    monkeypatch.setattr(settings, "GROUP_OPTION", {**settings.GROUP_OPTION, "dummy_beta": dummy_beta})
+
+
+def _net():
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 4, generator=g))
+    b = torch.nn.Parameter(torch.randn(4, generator=g))
+    return w, b
+
+
+def test_a_dummy_option_is_validated_defaulted_pickled_and_in_the_cache_key(dummy_options):
+    w, b = _net()
+    opt = Muon([{"params": [w], "use_muon": True}, {"params": [b], "use_muon": False}], dummy=0.75, dummy_beta=0.5)
+    assert opt.settings.dummy == 0.75
+    assert opt.param_groups[0]["dummy_beta"] == 0.5
+    with pytest.raises(ValueError, match="dummy"):
+        Muon([{"params": [_net()[0]], "use_muon": True}], dummy=-1.0)
+    with pytest.raises(ValueError, match=r"param_groups\[0\] dummy_beta"):
+        Muon([{"params": [_net()[0]], "use_muon": True, "dummy_beta": math.nan}])
+    # part of what the ranks compare
+    record = settings.record(opt.settings, opt.param_groups)
+    assert record["dummy"] == "0.75" and record["param_groups[0].dummy_beta"] == "0.5"
+    # pickled with the optimizer
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert clone.settings.dummy == 0.75 and clone.param_groups[0]["dummy_beta"] == 0.5
+    # part of the step plan's cache key: changing either rebuilds the step context
+    w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+    opt.step()
+    first = opt._cached_context
+    opt.step()
+    assert opt._cached_context is first
+    opt.settings = dataclasses.replace(opt.settings, dummy=0.1)
+    opt.step()
+    second = opt._cached_context
+    assert second is not first
+    opt.param_groups[0]["dummy_beta"] = 0.1
+    opt.step()
+    assert opt._cached_context is not second
+
+
+def _dummy_differs(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    params, grads = make_case_tensors(SPECS[:1], 1)
+    name = SPECS[0][0]
+    results = []
+    for key in ("dummy", "dummy_beta"):
+        p = torch.nn.Parameter(to_dtensor(params[name], mesh, [parse_placement("S0")]))
+        opt = Muon([{"params": [p], "param_names": [name], "use_muon": True}], **({key: 0.9} if rank else {}))
+        p.grad = to_dtensor(grads[0][name], mesh, p.placements)
+        results.append(outcome(opt.step))
+    return results
+
+
+def test_a_dummy_option_is_agreed_across_ranks(dummy_options):
+    for key, (kind, msg) in zip(("dummy", "dummy_beta"), run_ranks(_dummy_differs, 2, timeout=60)[0]):
+        assert kind == "RuntimeError" and "settings differ" in msg and key in msg, msg
+
+
+# ------------------------------------------------------------------ settings on a live optimizer
+
+
+def test_settings_are_attributes_validated_on_assignment():
+    w, _ = _net()
+    opt = Muon([{"params": [w], "use_muon": True}], lookahead=2)
+    assert opt.lookahead == 2 and opt.settings.lookahead == 2
+    opt.lookahead = 3
+    assert opt.settings.lookahead == 3
+    with pytest.raises(ValueError, match="lookahead"):
+        opt.lookahead = -1
+    assert opt.lookahead == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opt.settings.lookahead = 4
+
+
+def test_a_refused_param_group_leaves_the_optimizer_as_it_was():
+    w, b = _net()
+    opt = Muon([{"params": [w], "use_muon": True}])
+    before = [dict(g) for g in opt.param_groups]
+    for bad in ({"params": [b], "use_muon": False, "betas": (0.9, 2.0)},
+                {"params": [torch.nn.Parameter(torch.ones(3, 3))], "use_muon": True, "momentum": 2.0},
+                {"params": [torch.nn.Parameter(torch.ones(3, 3))], "use_muon": True, "muon_row_blocks": "heads:2"}):
+        with pytest.raises(ValueError):
+            opt.add_param_group(bad)
+        assert len(opt.param_groups) == 1 and opt.param_groups[0].keys() == before[0].keys()
+    opt.add_param_group({"params": [b], "use_muon": False})  # the parameter of a refused group can be added
+    assert len(opt.param_groups) == 2
+
+
+def test_an_optimizer_pickled_before_the_settings_record_still_loads():
+    """Before this record, settings were attributes of the optimizer (``ns_eps`` for ``eps``) and
+    the AdamW betas an attribute too; such a pickle unpickles into working settings."""
+    w, b = _net()
+    opt = Muon([{"params": [w], "use_muon": True}, {"params": [b], "use_muon": False}], lookahead=2, eps=1e-6)
+    state = opt.__getstate__()
+    old = {k: v for k, v in state.items() if k not in ("settings", "group_defaults")}
+    old.update(ns_eps=1e-6, compute_dtype=None, qk_clip=None, distributed_mode="parallel", chunk_size=None,
+               lookahead=2, skip_nonfinite=False, replica_split="auto", replica_split_flops_per_byte=None,
+               adamw_betas=(0.8, 0.9))
+    revived = Muon.__new__(Muon)
+    revived.__setstate__(old)
+    assert revived.settings == dataclasses.replace(MuonSettings(), eps=1e-6, lookahead=2)
+    assert revived.group_defaults["adamw"]["betas"] == (0.8, 0.9)
+    w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+    revived.step()

@@ -1,0 +1,220 @@
+"""Smoke tests for benchmarks/: each runs end to end on tiny sizes and writes files that parse.
+
+The benchmarks' numbers are not checked (they are measurements); what is
+checked is what they must get right whatever the machine: every variant ran
+or reported its error, bytes moved match the sharding arithmetic, the
+stand-in Newton–Schulz used for torch.optim.Muon is torch's own line for line,
+and the symmetric prototype computes the same thing as the package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+
+from harness import run_ranks
+from repo import BENCHMARKS
+
+_BENCH = BENCHMARKS
+
+
+def _load(name: str):
+    """Import benchmarks/<name>.py (a script directory, not a package)."""
+    key = f"bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, _BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+TINY = ["--dim", "32", "--ffn-dim", "64", "--layers", "1", "--head-dim", "8", "--warmup", "1", "--steps", "2"]
+
+
+def _step_time_rank(rank, world_size, argv):
+    step_time = _load("step_time")
+    result = step_time.run(step_time.parse_args(argv), rank, world_size, torch.device("cpu"))
+    return None if result is None else json.dumps(result)
+
+
+def _numel(specs) -> int:
+    return sum(s.shape[0] * s.shape[1] for s in specs)
+
+
+def test_step_time_fsdp_two_ranks(tmp_path):
+    step_time = _load("step_time")
+    run_ranks(_step_time_rank, 2, [*TINY, "--out", str(tmp_path), "--tag", "smoke"], timeout=60)
+    result = json.loads((tmp_path / "step_time_smoke.json").read_text())
+    md = (tmp_path / "step_time_smoke.md").read_text()
+
+    from optimizer.newton_schulz import choose_ns_method
+
+    # a 1-D FSDP mesh has no replicas; at these sizes auto picks the classic form for every matrix,
+    # so the classic-only variant would be parallel Muon again and is left out
+    assert {choose_ns_method(s, 5, "auto", torch.float32) for s in [(32, 32), (32, 64), (64, 32)]} == {"classic"}
+    no_replicas = [v for v in step_time.VARIANTS if v not in ("repeat", "classic")]
+    assert result["variants"] == no_replicas
+    # torchtitan's DistMuon runs on CUDA only: on this CPU its row says why it did not run
+    assert "CUDA" in result["results"]["titan"]["error"] or "not installed" in result["results"]["titan"]["error"]
+    for v in (v for v in no_replicas if v != "titan"):
+        row = result["results"][v]
+        assert "error" not in row, row  # the others run on Shard(0) DTensors in torch 2.13
+        # equal to the same optimizer on one device (fp32 on CPU; torch.optim.Muon's own order of ops)
+        assert row["max_deviation"] <= (1e-5 if v == "torch" else 0.0), (v, row["max_deviation"])
+        assert row["time"]["n"] == 2 and 0 < row["time"]["min_s"] <= row["time"]["median_s"] <= row["time"]["max_s"]
+        assert step_time.VARIANT_LABELS[v] in md
+    assert result["results"]["parallel"]["ratio_to_parallel"] == pytest.approx(1.0)
+
+    # Bytes per rank, from the sharding alone: with 2 ranks and even Shard(0) halves, parallel Muon
+    # sends each matrix's off-owner half once (to the owner, or back from it), and the gather baseline
+    # receives the other half of every matrix.
+    kv = 32 // 8
+    total = _numel(step_time.transformer_matrices(32, 1, 64, 8, kv))
+    assert result["sizes"]["params"] == total
+    for st in result["results"]["parallel"]["stages_per_rank"]:
+        assert st["bytes_sent"] == st["bytes_received"] == total // 2 * 4
+        assert set(st["seconds"]) == {*step_time.STAGES, "other"}
+        assert st["seconds"]["orthogonalize"] > 0 and st["seconds"]["qk_clip"] > 0
+    for st in result["results"]["gather"]["stages_per_rank"]:
+        assert st["bytes_received"] == total // 2 * 4
+
+
+def test_step_time_2d_mesh_from_config(tmp_path):
+    config = tmp_path / "mesh.toml"
+    config.write_text("[mesh]\ndp_shard = 2\ntp = 2\n\n[model]\ndim = 999\n")  # only [mesh] is read
+    argv = [*TINY, "--config", str(config), "--variants", "parallel,gather", "--out", str(tmp_path)]
+    run_ranks(_step_time_rank, 4, argv, timeout=60)
+    result = json.loads((tmp_path / "step_time_ws4_2x2_fsdp_tp.json").read_text())
+    assert result["mesh"] == {"names": ["dp_shard", "tp"], "shape": [2, 2], "layout": "fsdp_tp"}
+    assert len(result["results"]["parallel"]["stages_per_rank"]) == 4
+    assert result["results"]["gather"]["ratio_to_parallel"] > 0
+
+
+def test_step_time_hsdp_split_against_repeating_replicas(tmp_path):
+    step_time = _load("step_time")
+    argv = [*TINY, "--mesh", "2,2", "--layout", "hsdp", "--variants", "parallel,repeat", "--out", str(tmp_path)]
+    run_ranks(_step_time_rank, 4, argv, timeout=90)
+    result = json.loads((tmp_path / "step_time_ws4_2x2_hsdp.json").read_text())
+    assert result["mesh"] == {"names": ["dp_replicate", "dp_shard"], "shape": [2, 2], "layout": "hsdp"}
+    split, repeat = result["results"]["parallel"], result["results"]["repeat"]
+    assert all(st["all_gathers"] > 0 for st in split["stages_per_rank"])  # updates cross replicas
+    assert all(st["all_gathers"] == 0 for st in repeat["stages_per_rank"])
+    # Over the world, bytes sent equal bytes received (each path moves what it moves once).
+    for row in (split, repeat):
+        assert sum(st["bytes_sent"] for st in row["stages_per_rank"]) == sum(
+            st["bytes_received"] for st in row["stages_per_rank"])
+    assert "Split over replicas vs replicas repeating the work" in (tmp_path / "step_time_ws4_2x2_hsdp.md").read_text()
+
+
+def test_host_overhead_runs_on_a_fake_world(tmp_path):
+    import subprocess
+
+    script = _BENCH / "host_overhead.py"
+    subprocess.run([sys.executable, str(script), "--worlds", "8", "64", "--params", "20", "--steps", "1",
+                    "--out", str(tmp_path)], check=True, timeout=120, capture_output=True)
+    rows = json.loads((tmp_path / "host_overhead.json").read_text())
+    assert {(r["layout"], r["world"]) for r in rows} == {(lay, w) for lay in ("fsdp", "fsdp_tp") for w in (8, 64)}
+    assert all(r["ms"] > 0 and r["ratio"] > 0 for r in rows)
+    assert "target <= 1.5x" in (tmp_path / "host_overhead.md").read_text()
+
+
+def test_peak_memory_stays_within_the_plans_bound(tmp_path):
+    import subprocess
+
+    script = _BENCH / "peak_memory.py"
+    done = subprocess.run([sys.executable, str(script), "--ranks", "2", "--experts", "4", "--out", str(tmp_path)],
+                          timeout=120, capture_output=True, text=True)
+    rows = json.loads((tmp_path / "peak_memory.json").read_text())
+    assert len(rows) == 2 and all(0 < r["peak"] <= r["bound"] for r in rows), rows
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_placements_follow_fully_shard_over_tp():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    step_time = _load("step_time")
+    names, shape = ("dp_shard", "tp"), (2, 4)
+    assert step_time.placements_for("col", names, shape, "fsdp_tp") == (_StridedShard(0, split_factor=4), Shard(0))
+    assert step_time.placements_for("row", names, shape, "fsdp_tp") == (Shard(0), Shard(1))
+    assert step_time.placements_for("col", names, shape, "s0s1") == (Shard(0), Shard(1))
+    assert step_time.placements_for("row", ("dp_replicate", "dp_shard"), (2, 2), "fsdp_tp") == (Replicate(), Shard(0))
+
+
+def test_bad_mesh_config_names_the_key(tmp_path):
+    step_time = _load("step_time")
+    config = tmp_path / "bad.toml"
+    config.write_text("[mesh]\ndp_shrad = 2\n")
+    with pytest.raises(ValueError, match="dp_shrad"):
+        step_time.mesh_from_config(str(config))
+
+
+def test_torch_muon_stand_in_is_torchs_own_in_bf16():
+    """The fp32 stand-in differs from torch.optim.Muon's Newton–Schulz only in the cast."""
+    import torch.optim._muon as torch_muon
+
+    from optimizer.testing import torch_muon_zeropower
+
+    coeffs = (3.4445, -4.7750, 2.0315)
+    for shape in ((24, 40), (40, 24)):
+        G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        expected = torch_muon._zeropower_via_newtonschulz(G, coeffs, 5, 1e-7)
+        got = torch_muon_zeropower(torch.bfloat16)(G, coeffs, 5, 1e-7)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        before = G.clone()
+        torch_muon_zeropower(torch.float32)(G, coeffs, 5, 1e-7)
+        torch.testing.assert_close(G, before, rtol=0, atol=0)  # the input (momentum buffer) is untouched
+
+
+def test_ns_efficiency_runs_and_symmetric_prototype_matches(tmp_path):
+    from optimizer.newton_schulz import choose_ns_method, newton_schulz_flops
+
+    ns = _load("ns_efficiency")
+    result = ns.main(["--shapes", "48x32,2x16x24,48x512", "--repeats", "1", "--sym-min-block", "4",
+                      "--out", str(tmp_path), "--tag", "smoke"])
+    saved = json.loads((tmp_path / "ns_efficiency_smoke.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    md = (tmp_path / "ns_efficiency_smoke.md").read_text()
+    assert "| 48x32 |" in md and "| 48x512 |" in md
+    for row in saved["shapes"]:
+        assert row["efficiency"] > 0 and row["gflop"] > 0
+        assert row["symmetric_max_abs_diff"] < 1e-4
+        shape = tuple(row["shape"])
+        assert row["chosen"] == choose_ns_method(shape, 5, "auto", torch.float32)
+        assert set(row["median_s"]) == {"classic", "gram", "auto", "mm", "symmetric"}
+        assert row["gflop_of"]["gram"] == pytest.approx(newton_schulz_flops(shape, 5, "gram") / 1e9)
+        assert row["speedup"]["classic"] == pytest.approx(1.0)
+        assert row["gram_rel_diff"] < 1e-4  # the two forms compute the same polynomial
+    assert [r["chosen"] for r in saved["shapes"]] == ["classic", "classic", "gram"]
+    # a line per target; shapes not run are reported as such, never as met
+    assert len(saved["targets"]) == len(ns.SPEEDUP_TARGETS) + 1
+    assert [v["status"] for v in saved["targets"][:-1]] == ["not measured"] * len(ns.SPEEDUP_TARGETS)
+    assert saved["targets"][-1]["status"] in ("met", "not met")
+    assert "## Targets" in md and "not measured" in md
+
+
+def test_ns_efficiency_judges_targets_from_minima():
+    ns = _load("ns_efficiency")
+
+    def row(shape, auto):
+        return dict(shape=list(shape), speedup_of_minima={"auto": auto}, speedup={"auto": auto})
+
+    verdicts = ns.judge_targets([row((1024, 4096), 1.4), row((8, 512, 2048), 1.3), row((512, 4096), 1.9),
+                                 row((1024, 1024), 0.96)])
+    assert [v["status"] for v in verdicts] == ["met", "not met", "met", "met"]
+    verdicts = ns.judge_targets([row((1024, 4096), 1.4), row((64, 64), 0.94)])
+    assert [v["status"] for v in verdicts] == ["met", "not measured", "not measured", "not met"]
+    assert "64x64" in verdicts[-1]["measured"]
+
+
+def test_symmetric_gram_is_x_xt():
+    ns = _load("ns_efficiency")
+    g = torch.Generator().manual_seed(0)
+    for shape in ((37, 20), (3, 64, 9)):  # odd split sizes, several recursion levels, a batch
+        X = torch.randn(shape, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(ns.symmetric_gram(X, min_block=4), X @ X.mT)

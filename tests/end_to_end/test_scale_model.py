@@ -1,0 +1,419 @@
+"""benchmarks/scale_model.py at small worlds (FSDP 8 and 64, HSDP 2x4): files written, numbers right.
+
+The model's numbers are checked against references that are not its own code:
+- arithmetic done here from the shapes in benchmarks/model_shapes.py (FLOP and byte
+  totals, which matrices the "auto" replica split takes, world traffic totals, a
+  hand-worked one-matrix plan);
+- bounds that hold whatever the owners (busiest >= ideal, critical path >= busiest,
+  splitting over replicas never raises the busiest rank, bytes sent = received);
+- the optimizer itself: its owners are exactly ``world_jobs``' on parameters built
+  here, and every rank's load, bytes sent and received and largest chunk buffers
+  are exactly what ``build_plan`` (the per-rank plan the optimizer runs) computes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from optimizer.distributed.layout import MeshGrid, ParamLayout
+from optimizer.newton_schulz import newton_schulz_flops
+from optimizer.parallel.plan import PlanParam, PlanSettings, build_plan, world_jobs
+from repo import BENCHMARKS
+
+_BENCH = BENCHMARKS
+RANKS = [8, 64]
+HSDP = (2, 4)
+HSDP_MODELS = ["llama3-70b", "deepseek-v3"]
+WIRE_BYTES = 2  # the script's default wire dtype (bf16)
+AUTO = 1e4  # the script's default "auto" threshold (the optimizer's CUDA default)
+
+
+def _load(name: str):
+    """Import benchmarks/<name>.py (a script directory, not a package)."""
+    key = f"bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, _BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load("scale_model")
+
+
+@pytest.fixture(scope="module")
+def run(bench, tmp_path_factory):
+    out = tmp_path_factory.mktemp("scale_model")
+    bench.main(["--ranks", *map(str, RANKS), "--hsdp", f"{HSDP[0]}x{HSDP[1]}",
+                "--hsdp-models", *HSDP_MODELS, "--out", str(out)])
+    with open(out / "scale_model.json") as f:
+        data = json.load(f)
+    return out, data
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _load("model_shapes").all_models()
+
+
+def _is_moe(model) -> bool:
+    return any(len(s) == 3 for _, s in model.muon_params)
+
+
+def _expected_rows(models):
+    rows = []
+    for name, m in models.items():
+        dims = [1, 0] if _is_moe(m) else [None]
+        rows += [(name, "fsdp", n, d, None) for n in RANKS for d in dims]
+        if name in HSDP_MODELS:
+            rows += [(name, "hsdp", HSDP[0] * HSDP[1], d, s) for d in dims for s in ("never", "auto", "always")]
+    return rows
+
+
+def _key(r):
+    return (r["model"], r["layout"], r["ranks"], r["expert_dim"], r["replica_split"])
+
+
+def _flops(shape) -> float:
+    return float(newton_schulz_flops(shape, 5))
+
+
+def _splits_auto(shape) -> bool:
+    """The "auto" rule, from its definition: FLOPs per byte of one matrix (one expert) >= threshold."""
+    one = shape if len(shape) == 2 else (1, *shape[1:])
+    return _flops(one) / (math.prod(one) * WIRE_BYTES) >= AUTO
+
+
+def _short(name: str) -> str:
+    return re.sub(r"^layers\.\d+\.", "", name).removesuffix(".weight")
+
+
+def _expected_traffic(model, row) -> tuple[float, float]:
+    """(gather bytes over the world, replica all-gather payload) from the shapes and the layout."""
+    R, S = row["replicas"], row["shards"]
+    gather = payload = 0.0
+    for _, shape in model.muon_params:
+        b = math.prod(shape) * WIRE_BYTES
+        held_whole = len(shape) == 3 and row["expert_dim"] == 0  # shard group of 1
+        split = R > 1 and (row["replica_split"] == "always"
+                           or (row["replica_split"] == "auto" and _splits_auto(shape)))
+        if not held_whole:  # S - 1 of its S pieces travel to the owner, in each replica that runs it
+            gather += (1 if split else R) * (S - 1) / S * b
+        if split:  # its update reaches the other R - 1 replicas
+            payload += (R - 1) * b
+    return gather, payload
+
+
+# ----------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------
+
+
+def test_every_model_layout_and_plan_is_reported(run, models):
+    _, data = run
+    assert sorted(map(_key, data["results"]), key=str) == sorted(_expected_rows(models), key=str)
+
+
+def test_markdown_has_one_table_row_per_result_and_the_verdicts(run, models):
+    out, data = run
+    text = (out / "scale_model.md").read_text()
+    assert text.startswith("# Parallel Muon scale model")
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    assert len(rows) == len(data["results"])
+    for r in data["results"]:
+        layout = "fsdp" if r["layout"] == "fsdp" else f"hsdp {r['replicas']}x{r['shards']}"
+        assert any(row.startswith(f"| {r['model']} | {layout} | {r['ranks']} |") for row in rows), _key(r)
+    assert "sends T - O + (S - 1) O" in text  # the traffic formula is stated
+    assert "## HSDP: replicas repeat the work (never) vs split over replicas" in text
+
+
+def test_png_is_written_when_matplotlib_is_available(run):
+    pytest.importorskip("matplotlib")
+    out, _ = run
+    assert (out / "scale_model.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------
+# Arithmetic from the shapes
+# ----------------------------------------------------------------------------
+
+
+def test_totals_match_the_shapes(run, models):
+    _, data = run
+    for r in data["results"]:
+        m = models[r["model"]]
+        total = sum(_flops(s) for _, s in m.muon_params)
+        assert r["muon_param_bytes"] == sum(math.prod(s) for _, s in m.muon_params) * WIRE_BYTES
+        assert r["total_ns_flops"] == pytest.approx(total, rel=1e-12)
+        assert r["ideal_ns_flops"] == pytest.approx(total / r["ranks"], rel=1e-12)
+        # What the world runs: one copy, plus R - 1 more of every matrix kept per replica.
+        kept = 0.0
+        if r["replicas"] > 1 and r["replica_split"] != "always":
+            kept = sum(_flops(s) for _, s in m.muon_params
+                       if r["replica_split"] == "never" or not _splits_auto(s))
+        assert r["planned_ns_flops"] == pytest.approx(total + (r["replicas"] - 1) * kept, rel=1e-9), _key(r)
+        assert r["busiest_over_ideal"] == pytest.approx(r["busiest_ns_flops"] / r["ideal_ns_flops"])
+
+
+def test_auto_splits_exactly_the_matrices_worth_it(run, models):
+    _, data = run
+    for r in data["results"]:
+        if r["replicas"] == 1:
+            assert r["split_matrices"] == [], _key(r)
+            continue
+        names = {_short(n) for n, _ in models[r["model"]].muon_params}
+        want = {"never": set(), "always": names,
+                "auto": {_short(n) for n, s in models[r["model"]].muon_params if _splits_auto(s)}}[r["replica_split"]]
+        assert set(r["split_matrices"]) == want, _key(r)
+        assert set(r["unsplit_matrices"]) == names - want
+    # DeepSeek's narrow matrices are the ones kept per replica at the CUDA threshold.
+    auto = next(r for r in data["results"] if r["model"] == "deepseek-v3" and r["replica_split"] == "auto")
+    assert {"mlp.router", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"} <= set(auto["unsplit_matrices"])
+
+
+def test_world_traffic_against_the_sharding_arithmetic(run, models):
+    _, data = run
+    for r in data["results"]:
+        n, R, S = r["ranks"], r["replicas"], r["shards"]
+        w = r["world_bytes"]
+        gather, payload = _expected_traffic(models[r["model"]], r)
+        # Shards divide evenly at these sizes, so no piece is padded.
+        assert w["gather"] == pytest.approx(gather, rel=1e-12), _key(r)
+        assert w["scatter"] == w["gather"]
+        assert w["exchange_payload"] == pytest.approx(payload, rel=1e-12), _key(r)
+        assert w["exchange"] >= w["exchange_payload"]  # the all-gather pads to the longest contribution
+        # Conservation: what the world sends, it receives; and the kinds add up.
+        sent = r["bytes_sent_per_rank_mean"] * n
+        assert sent == pytest.approx(r["bytes_received_per_rank_mean"] * n, rel=1e-12)
+        assert sent == pytest.approx(w["gather"] + w["scatter"] + w["exchange"], rel=1e-12)
+        assert r["bytes_sent_per_rank_max"] >= r["bytes_sent_per_rank_mean"] * (1 - 1e-12)
+        if R == 1:
+            assert w["exchange"] == r["exchange_sent_per_rank_max"] == 0
+        assert r["gather_all"]["bytes_received_per_rank"] == pytest.approx(
+            (S - 1) / S * r["muon_param_bytes"], rel=1e-12)
+
+
+def test_one_matrix_by_hand(bench):
+    """[8, 8] bf16 on 2 ranks: rank 0 owns it; pieces are 4 x 8 = 32 elements."""
+    model = SimpleNamespace(name="one", muon_params=[("w", (8, 8))])
+    params = bench.plan_params(model, bench.Layout(1, 2, None), 5, torch.bfloat16)
+    plan = bench.measure(params, PlanSettings(), lookahead=1, state_bytes=4, compute_bytes=2)
+    assert plan.load == [_flops((8, 8)), 0.0]
+    # sent = T - O + (S - 1) O: rank 0 (T = O = 32) sends its update piece, rank 1 its gradient piece.
+    assert plan.sent == [64, 64] and plan.received == [64, 64]
+    assert plan.world_bytes == {"gather": 64, "scatter": 64, "exchange": 0, "exchange_payload": 0}
+    # buffers 2T + 3 S O: rank 0 256 elements, rank 1 64; workspace 2mn + 2m^2 = 256 elements on rank 0.
+    assert plan.chunk_buffers == [[512, 128]]
+    assert plan.peak == [512 + 512, 128]
+    assert plan.critical_path == _flops((8, 8))
+
+
+def test_units_held_whole_count_in_chunk_0(bench):
+    """2 ranks: experts [3, 8, 8] Shard(0) are held 2 + 1; the matrices 16^2, 3 x 12^2 are one chunk.
+
+    Square n x n costs 2 * 5 * 3 n^3 = 30 n^3 (16: 122880, 12: 51840, 8: 15360).  LPT
+    (largest first, to the least-loaded rank): 16 -> rank 0; each 12 -> rank 1, whose load
+    (0, 51840, 103680) stays under rank 0's.  Chunks: at most busiest total / largest
+    = 155520 / 122880, so 1.
+    """
+    c = {n: 30 * n**3 for n in (8, 12, 16)}
+    model = SimpleNamespace(name="tiny", muon_params=[("e", (3, 8, 8)), ("a", (16, 16))]
+                            + [(f"b{i}", (12, 12)) for i in range(3)])
+    params = bench.plan_params(model, bench.Layout(1, 2, 0), 5, torch.bfloat16)
+    plan = bench.measure(params, PlanSettings(), lookahead=1, state_bytes=4, compute_bytes=2)
+    assert plan.local_load == [2 * c[8], c[8]]
+    assert plan.load == [2 * c[8] + c[16], c[8] + 3 * c[12]]
+    assert len(plan.chunk_buffers) == 1
+    # Units held whole run while chunk 0's gathers travel: max over ranks of (held + chunk 0).
+    assert plan.critical_path == max(2 * c[8] + c[16], c[8] + 3 * c[12])
+    assert plan.critical_path < max(2 * c[8], c[8]) + max(c[16], 3 * c[12])  # not a chunk of their own
+
+
+# ----------------------------------------------------------------------------
+# Bounds that hold whatever the owners
+# ----------------------------------------------------------------------------
+
+
+def test_balance_bounds(run):
+    _, data = run
+    by = {_key(r): r for r in data["results"]}
+    for r in data["results"]:
+        k = _key(r)
+        assert r["busiest_over_lower_bound"] >= 1 - 1e-12, k
+        assert r["busiest_ns_flops"] >= r["planned_ns_flops"] / r["ranks"] * (1 - 1e-12), k
+        assert r["busiest_over_ideal"] >= 1 - 1e-12, k
+        assert r["busiest_over_ideal"] >= r["largest_unit_over_ideal"] * (1 - 1e-12), k
+        # A barrier per chunk can only add waiting: sum of per-chunk maxima >= max of sums.
+        assert r["critical_path_over_ideal"] >= r["busiest_over_ideal"] * (1 - 1e-12), k
+        assert r["peak_extra_memory_bytes"] >= r["peak_extra_memory_bytes_mean"] * (1 - 1e-12)
+        if r["replica_split"] in ("auto", "always"):
+            never = by[(*k[:-1], "never")]
+            assert r["busiest_ns_flops"] <= never["busiest_ns_flops"] * (1 + 1e-12), k
+            assert r["planned_ns_flops"] <= never["planned_ns_flops"] * (1 + 1e-12), k
+
+
+def test_every_cost_goes_through_one_function(bench, models, monkeypatch):
+    """Issue 15: swapping ``_ns_cost`` changes every figure (the planner's costs included)."""
+    model = models["deepseek-v3"]
+    args = SimpleNamespace(ns_steps=5, wire_dtype="bf16", chunk_size=None, lookahead=1, state_bytes=4,
+                           compute_bytes=2, replica_flops_per_byte=AUTO)
+    monkeypatch.setattr(bench, "_ns_cost", lambda shape, steps: float(math.prod(shape)))
+    row = bench.evaluate(model, bench.Layout(1, 8, 1), None, args)
+    numel = sum(math.prod(s) for _, s in model.muon_params)
+    assert row["total_ns_flops"] == numel
+    assert row["planned_ns_flops"] == numel  # the per-rank loads come from the planner's costs
+    assert row["busiest_ns_flops"] >= numel / 8
+
+
+# ----------------------------------------------------------------------------
+# The optimizer's own plan
+# ----------------------------------------------------------------------------
+
+
+def _params_here(model, mesh, placements_2d, placements_3d, ranks=None):
+    """PlanParams built from the shapes in this test (not by the benchmark)."""
+    grid = MeshGrid(tuple(mesh), tuple(ranks or range(math.prod(mesh))))
+    return [PlanParam(name=n, shape=tuple(s),
+                      layout=ParamLayout(tuple(s), grid, placements_3d if len(s) == 3 else placements_2d),
+                      wire_dtype=torch.bfloat16, device=torch.device("cpu"), ns_key=0, cost=_flops)
+            for n, s in model.muon_params]
+
+
+CASES = [  # model, mesh, expert dim, replica_split[, shard-major rank order]
+    ("deepseek-v3", (8,), 1, "never"),
+    ("llama3-70b", (2, 4), None, "always", True),  # ranks 0 4 1 5 2 6 3 7 on the (2, 4) mesh
+    ("deepseek-v3", (8,), 0, "never"),
+    ("deepseek-v3", (2, 4), 1, "always"),
+    ("deepseek-v3", (2, 4), 0, "auto"),
+    ("llama3-70b", (2, 4), None, "never"),
+    ("qwen3-235b-a22b", (3, 5), 0, "auto"),  # uneven: 128 experts on 5 ranks, padded pieces
+    ("qwen3-235b-a22b", (5,), 0, "never"),  # experts held whole, unevenly: 26, 26, 26, 26, 24
+]
+LOOKAHEAD, STATE_BYTES, COMPUTE_BYTES = 1, 4, 2
+
+
+def _workspace(shape) -> int:
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * (2 * m * m + 2 * m * n)
+
+
+def _chunk_bytes(chunk) -> int:
+    """A chunk's buffers on this rank, from the plan's sizes: gather send, receive and the
+    assembled matrices, scatter send and receive, and the replica all-gather's output."""
+    item = torch.empty((), dtype=chunk.wire_dtype).element_size()
+    whole = chunk.segment * chunk.shard_size
+    return item * (chunk.send_numel + 2 * whole + whole + max(chunk.scatter_recv_numel, chunk.exchange_length)
+                   + chunk.exchange_length * chunk.replica_size)
+
+
+def _expected_peak(step) -> int:
+    """The pipeline docstring's rule on build_plan's chunks: lookahead + 2 chunks (+1 while a
+    replica all-gather is in flight), plus the computing chunk's largest batched NS workspace;
+    before chunk 0, the units held whole, same-shape ones stacked as far as a chunk's buffers
+    allow, at least one (run_local)."""
+    buffers = [_chunk_bytes(c) for c in step.chunks]
+    groups: dict = {}
+    for job in step.local:
+        groups[job.shape] = groups.get(job.shape, 0) + 1
+    unit = {s: math.prod(s) * STATE_BYTES + _workspace(s) * COMPUTE_BYTES for s in groups}
+    cap = max([max(buffers, default=0), *unit.values()])
+    local = max((min(k, max(1, cap // unit[s])) * unit[s] for s, k in groups.items()), default=0)
+    peak = local + sum(buffers[: LOOKAHEAD + 1])
+    for k, chunk in enumerate(step.chunks):
+        batched = {i for b in chunk.batches for i in b}
+        spaces = [sum(_workspace(chunk.owned[i].shape) for i in b) for b in chunk.batches]
+        spaces += [_workspace(o.shape) for i, o in enumerate(chunk.owned) if i not in batched]
+        live = list(range(max(0, k - 1), min(len(buffers), k + LOOKAHEAD + 1)))
+        if k >= 2 and step.chunks[k - 2].exchange_length:
+            live.append(k - 2)
+        peak = max(peak, sum(buffers[c] for c in live) + max(spaces, default=0) * COMPUTE_BYTES)
+    return peak
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_owners_loads_and_bytes_are_the_optimizers(bench, models, case):
+    name, mesh, expert_dim, split, *rest = case
+    shard_major = bool(rest and rest[0])
+    model = models[name]
+    ranks = [r + mesh[0] * s for r in range(mesh[0]) for s in range(mesh[-1])] if shard_major else None
+    hsdp = len(mesh) == 2
+    p2 = (Replicate(), Shard(0)) if hsdp else (Shard(0),)
+    p3 = (Replicate(), Shard(expert_dim or 0)) if hsdp else (Shard(expert_dim or 0),)
+    settings = PlanSettings(replica_split=split, replica_min_flops_per_byte=AUTO)
+    layout = bench.Layout(mesh[0] if hsdp else 1, mesh[-1], expert_dim, shard_major)
+    if shard_major:
+        assert list(layout.ranks) == ranks
+    plan = bench.measure(bench.plan_params(model, layout, 5, torch.bfloat16), settings, LOOKAHEAD, STATE_BYTES,
+                         COMPUTE_BYTES)
+
+    # The benchmark's owners and chunks are world_jobs' on parameters built here.
+    mine = world_jobs(_params_here(model, mesh, p2, p3, ranks), settings)
+    assert [[(j.param, j.shape, j.owner, j.split) for j in jobs] for jobs, _ in plan.patterns] == \
+        [[(j.param, j.shape, j.owner, j.split) for j in jobs] for jobs, _ in mine]
+    assert [chunks for _, chunks in plan.patterns] == [chunks for _, chunks in mine]
+
+    # Every rank's load, traffic and largest chunk buffers are what build_plan gives that rank.
+    params = _params_here(model, mesh, p2, p3, ranks)
+    per_chunk, local = [], []  # [rank][chunk] owned FLOPs, [rank] FLOPs of units held whole
+    for rank in range(math.prod(mesh)):
+        step = build_plan(params, rank, settings, lambda ranks, mesh, dims: tuple(ranks))
+        assert plan.load[rank] == pytest.approx(step.load, rel=1e-12), rank
+        assert plan.sent[rank] == step.bytes_sent, rank
+        assert plan.received[rank] == step.bytes_received, rank
+        assert max((c[rank] for c in plan.chunk_buffers), default=0) == step.peak_chunk_bytes, rank
+        assert len(plan.chunk_buffers) == len(step.chunks)
+        assert plan.peak[rank] == _expected_peak(step), rank
+        per_chunk.append([sum(_flops(o.shape) for o in c.owned) for c in step.chunks])
+        local.append(sum(_flops(j.shape) for j in step.local))
+    # Units held whole run while chunk 0's gathers travel: they count in chunk 0.
+    chunks = len(per_chunk[0])
+    path = sum(max(loads[k] + (local[r] if k == 0 else 0) for r, loads in enumerate(per_chunk))
+               for k in range(chunks)) if chunks else max(local)
+    assert plan.critical_path == pytest.approx(path, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------
+# Verdicts and arguments
+# ----------------------------------------------------------------------------
+
+
+def test_verdict_names_the_unit_that_rules_out_the_target(bench, models):
+    args = SimpleNamespace(ns_steps=5, wire_dtype="bf16", chunk_size=None, lookahead=1, state_bytes=4,
+                           compute_bytes=2, replica_flops_per_byte=AUTO)
+    model = models["llama3-8b"]
+    row = bench.evaluate(model, bench.Layout(1, 512, None), None, args)
+    total = sum(_flops(s) for _, s in model.muon_params)
+    largest = max(_flops(s) for _, s in model.muon_params)
+    assert row["largest_unit_over_ideal"] == pytest.approx(largest / (total / 512))
+    text = bench.verdict(row)
+    assert text.startswith("misses 1.10x")
+    assert f"is {largest / (total / 512):.2f}x the ideal" in text
+    assert f"{len(model.muon_params)} units for 512 ranks" in text
+    met = dict(row, busiest_over_ideal=1.05, critical_path_over_ideal=1.09)
+    assert bench.verdict(met).startswith("meets 1.10x")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ranks", "0"], "--ranks"),
+    (["--hsdp", "8by128"], "RxS"),
+    (["--hsdp", "1x64"], "at least 2 replicas"),
+    (["--models", "gpt-5"], "unknown model"),
+    (["--chunk-size", "0"], "--chunk-size"),
+])
+def test_bad_arguments_are_named(bench, argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--out", str(tmp_path)])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "scale_model.json").exists()

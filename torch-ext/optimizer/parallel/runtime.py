@@ -1,0 +1,398 @@
+"""The runtime of parallel Muon: it moves tensors between ranks and calls the rule's stages.
+
+Newton–Schulz needs whole matrices, but FSDP/HSDP/TP/solver placements leave each rank a
+piece.  Rather than gathering every matrix on every rank, each matrix (or range of experts) has
+one *owner*, and the step plan (``plan.py``, computed once) says who owns what and where every
+piece sits in every buffer.  Each chunk of the plan goes through four stages, read top to
+bottom below:
+
+  1. gather        every rank writes its piece of what is orthogonalised (``step.input_into``)
+                   straight into the send buffer, in the wire dtype, and one all_to_all_single
+                   delivers the pieces to their owners, which assemble whole matrices with one
+                   index kernel each (none at all where the pieces arrive as the matrix's rows);
+  2. orthogonalize the owner runs the rule's owner stage (``step.orthogonalize``), one batched
+                   call per shape;
+  3. scatter       one all_to_all_single returns to every rank its piece of the update; when
+                   the matrix was split over replicas (HSDP, replicated DTensors), one all_gather
+                   on the replica group then hands every other replica the pieces this
+                   replica's owners computed;
+  4. update        the rule's local stages on every piece: ``step.apply_update`` (weight decay
+                   and the update) and ``step.scale_rows`` (QK-clip).
+
+Chunk i+1's gather is in flight while chunk i is orthogonalised, chunk i-1's scatter and chunk
+i-2's replica all-gather too (``async_op=True``, gloo and NCCL alike).  Peak extra memory: the
+buffers of ``lookahead + 2`` chunks, one more while a replica all-gather is in flight.
+
+The runtime knows nothing of the update rule: ``steps[i]`` is any object with the four stage
+methods of :class:`optimizer.rule.MatrixStep`.  It never reads device data back to the host:
+every size and offset comes from the plan, every index tensor already lives on the parameter's
+device.
+
+Two other drivers run the same stages: :func:`run_local` (units a rank holds whole: plain
+tensors, replicated or expert-sharded DTensors) and :func:`gather_everything`, the baseline
+("Distributed Muon", Liu et al. 2025) where every rank all-gathers every matrix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .plan import Chunk, Owned, StepPlan
+from .stats import PipelineStats
+
+
+class Stages(Protocol):
+    """What the runtime calls on one parameter's step (``optimizer.rule.MatrixStep``)."""
+
+    param: torch.Tensor  # its local piece
+
+    @property
+    def input_dtype(self) -> torch.dtype: ...
+
+    def input_into(self, out: torch.Tensor, region: tuple) -> None: ...
+
+    def orthogonalize(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def apply_update(self, region: tuple, update: torch.Tensor) -> None: ...
+
+    def scale_rows(self) -> None: ...
+
+    @property
+    def scales_rows(self) -> bool: ...
+
+    @property
+    def batch_key(self) -> object: ...
+
+
+# --------------------------------------------------------------------------
+# Buffers and index kernels
+# --------------------------------------------------------------------------
+
+
+def _piece(buffer: torch.Tensor, offset: int, padded: Sequence[int], mine: Sequence[int]) -> torch.Tensor:
+    """A padded block of ``buffer`` at ``offset``, cut to the real block's shape."""
+    block = buffer[offset: offset + math.prod(padded)].view(padded)
+    if tuple(mine) != tuple(padded):
+        block = block[tuple(slice(0, n) for n in mine)]
+    return block
+
+
+def _assembled_shape(o: Owned) -> tuple[int, ...]:
+    lead = o.shape[:-2]
+    return (*lead, *(n + int(t) for n, t in zip(o.shape[-2:], o.trash)))
+
+
+def _real(o: Owned) -> tuple:
+    """Cut the spare slot (where padding was thrown) off an assembled matrix."""
+    return tuple(slice(0, n) for n in o.shape)
+
+
+def _indexer(o: Owned, index: tuple) -> tuple[tuple, int]:
+    """Index of the unit tensor addressing every member's padded block at once, and where
+    the member axis lands in the indexed result."""
+    lead = [slice(None)] * (len(o.shape) - 2)
+    rows, cols = index
+    if rows is not None and cols is not None:
+        return (*lead, rows[:, :, None], cols[:, None, :]), len(lead)
+    if rows is not None:
+        return (*lead, rows), len(lead)
+    return (*lead, slice(None), cols), len(lead) + 1
+
+
+def _assemble(target: torch.Tensor, blocks: torch.Tensor, o: Owned) -> torch.Tensor:
+    """Write every member's padded block (``blocks``: ``[members, *padded]``) to its place in
+    ``target`` (one index kernel); return the real matrix."""
+    indexer, axis = _indexer(o, o.write)
+    target[indexer] = blocks.movedim(0, axis)
+    return target[_real(o)]
+
+
+def _arrived(recv: torch.Tensor, chunk: Chunk, o: Owned) -> torch.Tensor:
+    """A zero-copy job: its pieces already are the matrix, in order."""
+    if chunk.shard_size == 1:
+        return recv[o.offset: o.offset + math.prod(o.padded)].view(o.padded)
+    rows, cols = o.shape
+    return recv.view(chunk.shard_size * o.padded[0], cols)[:rows]
+
+
+def _region(t: torch.Tensor, region) -> torch.Tensor:
+    return t[region] if region else t
+
+
+@dataclass
+class _Flight:
+    chunk: Chunk
+    recv: torch.Tensor
+    work: object
+    send: torch.Tensor | None = None  # kept alive until the collective completes
+    fulls: list = field(default_factory=list)
+
+
+def _all_to_all(recv, send, recv_splits, send_splits, chunk: Chunk, stats: PipelineStats):
+    stats.all_to_alls += 1
+    return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=chunk.shard_group, async_op=True)
+
+
+def _all_gather(out: torch.Tensor, mine: torch.Tensor, group, async_op: bool = False):
+    # all_gather_into_tensor is deprecated in favour of all_gather_single (torch >= 2.10)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, mine, group=group, async_op=async_op)
+
+
+# --------------------------------------------------------------------------
+# Stage 1: gather pieces to owners.
+# --------------------------------------------------------------------------
+
+
+def start_gather(chunk: Chunk, steps: Sequence[Stages], stats: PipelineStats) -> _Flight:
+    with stats.time("gather"):
+        send = torch.empty(chunk.send_numel, dtype=chunk.wire_dtype, device=chunk.device)
+        for pack in chunk.packs:
+            slot = _piece(send, pack.offset, pack.padded, pack.mine)
+            if slot.numel():
+                steps[pack.param].input_into(slot, pack.region)
+        if chunk.shard_group is None:
+            return _Flight(chunk, send, None)
+        recv = torch.empty(chunk.segment * chunk.shard_size, dtype=chunk.wire_dtype, device=chunk.device)
+        work = _all_to_all(recv, send, [chunk.segment] * chunk.shard_size, chunk.send_splits, chunk, stats)
+    return _Flight(chunk, recv, work, send)
+
+
+def finish_gather(flight: _Flight, stats: PipelineStats) -> list[torch.Tensor]:
+    """Wait for the gather; assemble the whole matrices this rank owns (batched by shape)."""
+    with stats.time("gather"):
+        if flight.work is not None:
+            flight.work.wait()
+        chunk, recv = flight.chunk, flight.recv
+        batches = [None] * len(chunk.batches)
+        for b, members in enumerate(chunk.batches):
+            o = chunk.owned[members[0]]
+            batches[b] = recv.new_empty((len(members), *_assembled_shape(o)))
+        fulls = []
+        for k, o in enumerate(chunk.owned):
+            if o.zero_copy:
+                fulls.append(_arrived(recv, chunk, o))
+                continue
+            target = batches[o.batch][chunk.batches[o.batch].index(k)] if o.batch >= 0 else \
+                recv.new_empty(_assembled_shape(o))
+            blocks = recv.view(chunk.shard_size, chunk.segment)[:, o.offset: o.offset + math.prod(o.padded)]
+            fulls.append(_assemble(target, blocks.view(chunk.shard_size, *o.padded), o))
+        flight.fulls = [(b, batches[b][(slice(None), *_real(chunk.owned[m[0]]))]) for b, m in enumerate(chunk.batches)]
+    return fulls
+
+
+# --------------------------------------------------------------------------
+# Stage 2: orthogonalise on the owner.
+# --------------------------------------------------------------------------
+
+
+def orthogonalize_owned(flight: _Flight, fulls: list[torch.Tensor], steps: Sequence[Stages],
+                        stats: PipelineStats) -> list[torch.Tensor]:
+    with stats.time("orthogonalize"):
+        chunk = flight.chunk
+        out: list[torch.Tensor | None] = [None] * len(fulls)
+        for b, batch in flight.fulls:
+            members = chunk.batches[b]
+            o = chunk.owned[members[0]]
+            flat = batch.reshape(-1, *o.shape[-2:])  # experts of every member, one batch
+            result = steps[o.param].orthogonalize(flat).to(batch.dtype).view(len(members), *o.shape)
+            for i, k in enumerate(members):
+                out[k] = result[i]
+        for k, (o, full) in enumerate(zip(chunk.owned, fulls)):
+            if out[k] is None:
+                out[k] = steps[o.param].orthogonalize(full).to(full.dtype)
+        flight.fulls = []
+    return out
+
+
+# --------------------------------------------------------------------------
+# Stage 3: scatter each rank's piece of the update back (and across replicas).
+# --------------------------------------------------------------------------
+
+
+def start_scatter(chunk: Chunk, updates: list[torch.Tensor], stats: PipelineStats) -> _Flight:
+    with stats.time("scatter"):
+        length = max(chunk.scatter_recv_numel, chunk.exchange_length)  # what the exchange sends from
+        alone = chunk.shard_group is None  # one member: what it sends is what it receives
+        numel = chunk.segment * chunk.shard_size
+        buffer = torch.empty(max(numel, length) if alone else numel, dtype=chunk.wire_dtype, device=chunk.device)
+        send = buffer[:numel]
+        for o, u in zip(chunk.owned, updates):
+            if o.zero_copy:
+                _arrived(send, chunk, o).copy_(u)
+                continue
+            blocks = send.view(chunk.shard_size, chunk.segment)[:, o.offset: o.offset + math.prod(o.padded)]
+            indexer, axis = _indexer(o, o.read)
+            blocks.view(chunk.shard_size, *o.padded).copy_(u[indexer].movedim(axis, 0))
+        if alone:
+            return _Flight(chunk, buffer, None)
+        recv = torch.empty(length, dtype=chunk.wire_dtype, device=chunk.device)
+        work = _all_to_all(recv[: chunk.scatter_recv_numel], send, chunk.scatter_recv_splits,
+                           [chunk.segment] * chunk.shard_size, chunk, stats)
+    return _Flight(chunk, recv, work, send)
+
+
+def start_exchange(flight: _Flight, stats: PipelineStats) -> _Flight:
+    """Wait for the scatter; hand the pieces of updates owned in this replica to the other replicas."""
+    with stats.time("scatter"):
+        if flight.work is not None:
+            flight.work.wait()
+    chunk = flight.chunk
+    if not chunk.exchange_length:
+        return _Flight(chunk, flight.recv, None)
+    with stats.time("exchange"):
+        out = torch.empty(chunk.exchange_length * chunk.replica_size, dtype=chunk.wire_dtype, device=chunk.device)
+        mine = flight.recv[: chunk.exchange_length]
+        stats.all_gathers += 1
+        work = _all_gather(out, mine, chunk.replica_group, async_op=True)
+    ex = _Flight(chunk, out, work, mine)
+    ex.fulls = [flight.recv]  # this replica's own pieces stay in the scatter buffer
+    return ex
+
+
+# --------------------------------------------------------------------------
+# Stage 4: update the local pieces, then QK-clip their rows.
+# --------------------------------------------------------------------------
+
+
+def finish_update(flight: _Flight, steps: Sequence[Stages], stats: PipelineStats) -> None:
+    with stats.time("exchange"):
+        if flight.work is not None:
+            flight.work.wait()
+    chunk = flight.chunk
+    scatter = flight.fulls[0] if flight.fulls else flight.recv
+    updated = []
+    with stats.time("update"):
+        for u in chunk.updates:
+            buffer = scatter if u.source == "scatter" else flight.recv
+            block = _piece(buffer, u.offset, u.padded, u.mine)
+            if not block.numel():
+                continue
+            steps[u.param].apply_update(u.region, block)
+            updated.append(steps[u.param])
+    _scale_rows(updated, stats)
+
+
+def _scale_rows(updated: Sequence[Stages], stats: PipelineStats) -> None:
+    with stats.time("qk_clip"):
+        for s in updated:
+            if s.scales_rows:
+                s.scale_rows()
+
+
+# --------------------------------------------------------------------------
+# Units that need no communication.
+# --------------------------------------------------------------------------
+
+
+def run_local(plan: StepPlan, steps: Sequence[Stages], stats: PipelineStats) -> None:
+    """Orthogonalise the units a rank holds whole (plain tensors, replicated or expert-sharded
+    DTensors not split over replicas), same-shape ones in one batched call."""
+    groups: dict[tuple, list] = {}
+    for job in plan.local:
+        s = steps[job.param]
+        groups.setdefault((s.batch_key, job.shape, s.input_dtype), []).append(job)
+    cap = plan.local_batch_bytes
+    batches = []
+    for jobs in groups.values():  # batched by shape, each batch within the memory bound
+        per = max(1, cap // max(1, jobs[0].bytes))
+        batches += [jobs[k: k + per] for k in range(0, len(jobs), per)]
+    for jobs in batches:
+        with stats.time("orthogonalize"):
+            s0 = steps[jobs[0].param]
+            stacked = torch.empty((len(jobs), *jobs[0].shape), dtype=s0.input_dtype, device=s0.param.device)
+            for i, job in enumerate(jobs):
+                steps[job.param].input_into(stacked[i], job.region)
+            flat = stacked.view(-1, *jobs[0].shape[-2:])
+            result = s0.orthogonalize(flat).view(len(jobs), *jobs[0].shape)
+        with stats.time("update"):
+            for i, job in enumerate(jobs):
+                steps[job.param].apply_update(job.region, result[i])
+        _scale_rows([steps[job.param] for job in jobs], stats)
+
+
+# --------------------------------------------------------------------------
+# The pipeline driver.
+# --------------------------------------------------------------------------
+
+
+def run_parallel_muon(plan: StepPlan, steps: Sequence[Stages], *, lookahead: int = 1,
+                      stats: PipelineStats | None = None) -> PipelineStats:
+    """Run the four stages over all chunks, overlapping communication with compute."""
+    stats = stats if stats is not None else PipelineStats()
+    chunks = plan.chunks
+    gathers: deque[_Flight] = deque()
+    launched = 0
+    scattering: _Flight | None = None
+    exchanging: _Flight | None = None
+    for i, chunk in enumerate(chunks):
+        # keep `lookahead` gathers in flight beyond the chunk being computed
+        while launched < len(chunks) and launched <= i + lookahead:
+            gathers.append(start_gather(chunks[launched], steps, stats))
+            launched += 1
+        if i == 0:
+            run_local(plan, steps, stats)  # while the first gathers travel
+        flight = gathers.popleft()
+        fulls = finish_gather(flight, stats)  # 1. gather
+        updates = orthogonalize_owned(flight, fulls, steps, stats)  # 2. orthogonalize
+        del fulls
+        scattered = start_scatter(chunk, updates, stats)  # 3. scatter (async)
+        del updates
+        if scattering is not None:
+            exchanged = start_exchange(scattering, stats)  # 3b. replicas (async)
+            if exchanging is not None:
+                finish_update(exchanging, steps, stats)  # 4. update
+            exchanging = exchanged
+        scattering = scattered
+    if not chunks:
+        run_local(plan, steps, stats)
+    if scattering is not None:
+        exchanged = start_exchange(scattering, stats)
+        if exchanging is not None:
+            finish_update(exchanging, steps, stats)
+        exchanging = exchanged
+    if exchanging is not None:
+        finish_update(exchanging, steps, stats)
+    stats.chunks += len(chunks)
+    stats.matrices += plan.jobs + len(plan.local)
+    stats.owned += plan.owned + len(plan.local)
+    stats.bytes_sent += plan.bytes_sent
+    stats.bytes_received += plan.bytes_received
+    return stats
+
+
+# --------------------------------------------------------------------------
+# The baseline: every rank gathers every matrix.
+# --------------------------------------------------------------------------
+
+
+def gather_everything(plan: StepPlan, steps: Sequence[Stages], stats: PipelineStats | None = None) -> PipelineStats:
+    """Every rank all-gathers every sharded matrix (padded pieces, one all_gather each),
+    assembles it with the placement index math, orthogonalises it and keeps its piece."""
+    stats = stats if stats is not None else PipelineStats()
+    run_local(plan, steps, stats)
+    for g in plan.gather_all:
+        s = steps[g.param]
+        with stats.time("gather"):
+            mine = torch.zeros(math.prod(g.owned.padded), dtype=g.wire_dtype, device=s.param.device)
+            s.input_into(_piece(mine, 0, g.owned.padded, g.mine), ())
+            out = mine.new_empty(mine.numel() * g.size)
+            _all_gather(out, mine, g.group)
+            stats.all_gathers += 1
+            full = _assemble(out.new_empty(_assembled_shape(g.owned)), out.view(g.size, *g.owned.padded), g.owned)
+        with stats.time("orthogonalize"):
+            update = s.orthogonalize(full).to(full.dtype)
+        with stats.time("update"):
+            s.apply_update((), update[g.my_index])
+        _scale_rows([s], stats)
+        item = out.element_size()
+        stats.bytes_sent += mine.numel() * item * (g.size - 1)
+        stats.bytes_received += mine.numel() * item * (g.size - 1)
+    stats.matrices += len(plan.gather_all) + len(plan.local)
+    return stats

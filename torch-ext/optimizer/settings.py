@@ -1,0 +1,383 @@
+"""Every option of Muon, declared once.
+
+Two kinds of options:
+
+* **optimizer options**, one value per optimizer: the fields of :class:`MuonSettings`, a frozen
+  dataclass (how Newton–Schulz runs, how a step is distributed, QK-clip);
+* **group options**, one value per param group: :data:`GROUP_OPTIONS` (the hyper-parameters a
+  scheduler or a user may set per group: lr, momentum, ...).  The constructor keyword of the same
+  name (or the declared ``keyword``) is the default for groups that do not set it.
+
+Everything else is derived from these declarations: the constructor's keywords, their defaults
+and validation (:func:`from_constructor`), the defaults torch's ``Optimizer`` fills into groups
+(:func:`torch_defaults`), the per-kind defaults (:func:`kind_defaults`), the checks of a group
+(:func:`check_group`), the record every rank compares before a step and its digest
+(:func:`record`, :func:`digest`), the part of the step plan's cache key that settings make
+(:func:`plan_key`) and the docstring of ``Muon.__init__`` (:func:`constructor_doc`).  Adding an
+option is one declaration plus its use; the cross-rank agreement, pickling and the plan's cache
+key pick it up with no other change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from .distributed import agreement
+from .newton_schulz import check_ns_method, resolve_ns_coefficients
+from .qk_clip import QKClipConfig, config_record
+from .row_blocks import ROW_BLOCKS_KEY, check_group_row_blocks
+
+MUON, ADAMW = "muon", "adamw"
+KINDS = (MUON, ADAMW)
+
+# ---------------------------------------------------------------------------- checks
+# Each check is ``check(value, where, context)`` and raises ValueError naming ``where`` (the
+# option's keyword, or ``param_groups[i] <name>``); ``context`` holds the option's siblings (the
+# group, or the constructor's keywords) for the few checks that need them.
+
+
+def check_number(where: str, value: Any, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"Muon: `{where}` must be a finite number, got {value!r}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"Muon: `{where}` must be {'>' if low_open else '>='} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"Muon: `{where}` must be <= {high}, got {value!r}")
+
+
+def _non_negative(value, where, context) -> None:
+    check_number(where, value, low=0.0)
+
+
+def _positive(value, where, context) -> None:
+    check_number(where, value, low=0.0, low_open=True)
+
+
+def _unit_interval(value, where, context) -> None:
+    check_number(where, value, low=0.0, high=1.0)
+
+
+def _optional_non_negative(value, where, context) -> None:
+    if value is not None:
+        check_number(where, value, low=0.0)
+
+
+def _boolean(value, where, context) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"Muon: `{where}` must be True or False, got {value!r}")
+
+
+def _one_of(*choices) -> Callable:
+    def check(value, where, context) -> None:
+        if not isinstance(value, (str, type(None))) or value not in choices:
+            raise ValueError(f"Muon: `{where}` must be one of {choices}, got {value!r}")
+
+    return check
+
+
+def _int_at_least(low: int, *, optional: bool = False, high: int | None = None) -> Callable:
+    def check(value, where, context) -> None:
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ValueError(f"Muon: `{where}` must be an int {span}{' or None' if optional else ''}, got {value!r}")
+
+    return check
+
+
+def _lr(value, where, context) -> None:
+    if torch.is_tensor(value) and value.numel() != 1:
+        raise ValueError(f"Muon: `{where}` must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+    if not torch.is_tensor(value) or value.device.type == "cpu":  # a device tensor is not read (no host sync)
+        check_number(where, float(value) if torch.is_tensor(value) else value, low=0.0)
+
+
+def _betas(value, where, context) -> None:
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+        raise ValueError(f"Muon: `{where}` must be a pair (beta1, beta2), got {value!r}")
+    for i, b in enumerate(value):
+        check_number(f"{where}[{i}]", b, low=0.0, high=1.0)
+        if b == 1.0:
+            raise ValueError(f"Muon: `{where}[{i}]` must be < 1, got {b!r}")
+
+
+def _ns_coefficients(value, where, context) -> None:
+    try:
+        resolve_ns_coefficients(value, context.get("ns_steps", 5))
+    except ValueError as err:
+        raise ValueError(f"Muon: `{where}`: {err}") from None
+
+
+def _ns_method(value, where, context) -> None:
+    try:
+        check_ns_method(value)
+    except ValueError as err:
+        raise ValueError(f"Muon: `{where}`: {err}") from None
+
+
+def _row_blocks(value, where, context) -> None:
+    group = where.removesuffix(ROW_BLOCKS_KEY).rstrip()  # its messages name the key themselves
+    check_group_row_blocks(value, context.get("param_names") or [], f"Muon: {group}")
+
+
+def _compute_dtype(value, where, context) -> None:
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"Muon: `{where}` must be a floating torch.dtype or None, got {value!r}")
+
+
+def _qk_clip(value, where, context) -> None:
+    if value is not None and not isinstance(value, QKClipConfig):
+        raise ValueError(f"Muon: `{where}` must be an optimizer.QKClipConfig or None, got {type(value).__name__}")
+
+
+# ---------------------------------------------------------------------------- how values are compared
+
+
+def rank_independent_repr(value: Any) -> str:
+    """``repr`` without what differs between processes: a function's repr holds its address, which
+    differs from rank to rank under torchrun (a callable ``muon_row_blocks`` would then look like a
+    setting that differs), so callables are named by module and qualified name.  A device tensor
+    (``lr`` kept on the GPU) is not read: that would synchronise the host."""
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {rank_independent_repr(v)}" for k, v in value.items()) + "}"
+    if torch.is_tensor(value):
+        return repr(value.item()) if value.device.type == "cpu" else "<device tensor>"
+    if callable(value) and not isinstance(value, type) and not dataclasses.is_dataclass(value):
+        name = getattr(value, "__qualname__", type(value).__qualname__)
+        return f"<callable {getattr(value, '__module__', '?')}.{name}>"
+    return repr(value)
+
+
+def _qk_clip_repr(value: QKClipConfig | None) -> str:
+    return repr(config_record(value))
+
+
+def snapshot(value: Any) -> Any:
+    """A value as a cache key holds it: containers copied (so that mutating a group's dict in
+    place is seen), everything else compared with ``==`` (callables and configs by identity or
+    their own equality)."""
+    if isinstance(value, Mapping):
+        return tuple((k, snapshot(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(snapshot(v) for v in value)
+    return value
+
+
+# ---------------------------------------------------------------------------- declarations
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What an option's declaration says besides its name and default."""
+
+    doc: str
+    check: Callable[[Any, str, Mapping], None]
+    plan: bool = False  # the step plan depends on it: part of the plan's cache key
+    show: Callable[[Any], str] = rank_independent_repr  # how ranks compare it
+
+
+def _option(default: Any, doc: str, check: Callable, *, plan: bool = False, show: Callable = rank_independent_repr):
+    return field(default=default, metadata={"declared": Declared(doc, check, plan, show)})
+
+
+@dataclass(frozen=True)
+class MuonSettings:
+    """Muon's optimizer-wide options: one value per optimizer, validated on construction
+    (also by ``dataclasses.replace``, which is how an option is changed on a live optimizer)."""
+
+    eps: float = _option(1e-7, "Newton–Schulz normalisation epsilon (divides by max(||X||_F, eps) in fp32)", _positive)
+    compute_dtype: torch.dtype | None = _option(
+        None, "Newton–Schulz dtype; None: fp32 on CPU (bf16 matmul is ~100x slower there), bf16 on CUDA; "
+        "sharded pieces travel in it when narrower", _compute_dtype, plan=True)
+    qk_clip: QKClipConfig | None = _option(
+        None, "a QKClipConfig to enable QK-clip (MuonClip), or None", _qk_clip, plan=True, show=_qk_clip_repr)
+    distributed_mode: str = _option(
+        "parallel", "'parallel': one owner per matrix, all-to-all; 'gather': every rank gathers every matrix "
+        "(the baseline)", _one_of("parallel", "gather"), plan=True)
+    chunk_size: int | None = _option(
+        None, "jobs per pipeline chunk (None: the ranks the matrices are spread over)",
+        _int_at_least(1, optional=True), plan=True)
+    lookahead: int = _option(1, "chunks gathered ahead of the one being orthogonalised", _int_at_least(0))
+    replica_split: str = _option(
+        "auto", "matrices held by several replicas (HSDP, replicated DTensors): 'always' orthogonalise each once "
+        "in the world, 'never' once per replica, 'auto' per matrix by cost", _one_of("auto", "always", "never"),
+        plan=True)
+    replica_split_flops_per_byte: float | None = _option(
+        None, "'auto' splits a matrix whose Newton–Schulz does at least this many FLOPs per byte of update "
+        "shipped to the other replicas; None: 1e4 on CUDA, 50 on CPU", _optional_non_negative, plan=True)
+    skip_nonfinite: bool = _option(
+        False, "if any rank sees NaN/Inf in a Muon gradient, every rank skips the step", _boolean)
+
+    def __post_init__(self):
+        for f in fields(self):
+            f.metadata["declared"].check(getattr(self, f.name), f.name, {})
+
+
+@dataclass(frozen=True)
+class GroupOption:
+    """One per-group option: its default (the constructor keyword's default), which groups it
+    applies to, and how it is checked."""
+
+    name: str
+    kinds: tuple[str, ...]
+    default: Any
+    doc: str
+    check: Callable[[Any, str, Mapping], None]
+    plan: bool = False  # the step plan depends on it: part of the plan's cache key
+    keyword: str | None = None  # the constructor keyword setting its default (None: ``name``)
+    constructor: bool = True  # False: set per group only, never a constructor keyword
+    # In torch's ``defaults`` (which torch fills into every group).  Not "betas": OneCycleLR and
+    # CyclicLR cycle ``betas[0]`` of every group when the defaults have it, and Muon groups cycle
+    # ``momentum`` instead (AdamW groups follow it as betas[0]: see ``Muon._follow_momentum``).
+    torch_default: bool = True
+
+    @property
+    def ctor_keyword(self) -> str:
+        return self.keyword or self.name
+
+
+BOTH = (MUON, ADAMW)
+
+GROUP_OPTIONS: tuple[GroupOption, ...] = (
+    GroupOption("lr", BOTH, 1e-3, "learning rate (a float or a 1-element tensor)", _lr),
+    GroupOption("weight_decay", BOTH, 0.1, "decoupled weight decay: p *= 1 - lr * weight_decay", _non_negative),
+    GroupOption("momentum", (MUON,), 0.95, "Muon momentum: buf.lerp_(grad, 1 - momentum)", _unit_interval),
+    GroupOption("nesterov", (MUON,), True, "orthogonalise grad.lerp(buf, momentum) instead of buf", _boolean),
+    GroupOption("ns_steps", (MUON,), 5, "Newton–Schulz iterations", _int_at_least(1, high=100), plan=True),
+    GroupOption("ns_coefficients", (MUON,), "fixed",
+                "'fixed' (3.4445, -4.7750, 2.0315), 'polar_express', a triple, or one triple per step",
+                _ns_coefficients, plan=True),
+    GroupOption("ns_method", (MUON,), "auto", "'auto' (fewer FLOPs per shape and dtype), 'classic' or 'gram'",
+                _ns_method, plan=True),
+    GroupOption("adjust_lr", (MUON,), "match_rms_adamw",
+                "'match_rms_adamw': 0.2 sqrt(max(A, B)); 'original': sqrt(max(1, A/B)); None: none",
+                _one_of("match_rms_adamw", "original", "none", None)),
+    GroupOption("eps", (ADAMW,), 1e-8, "AdamW's epsilon", _positive, keyword="adamw_eps"),
+    GroupOption("betas", (ADAMW,), (0.9, 0.95), "AdamW's (beta1, beta2)", _betas, keyword="adamw_betas",
+                torch_default=False),
+    GroupOption("maximize", BOTH, False, "maximise the objective (the gradient's sign flips)", _boolean),
+    GroupOption(ROW_BLOCKS_KEY, (MUON,), None,
+                "row blocks orthogonalised as separate matrices: one spec for the group or {param_name: spec}",
+                _row_blocks, plan=True, constructor=False),
+)
+GROUP_OPTION = {o.name: o for o in GROUP_OPTIONS}
+
+
+# ---------------------------------------------------------------------------- derived
+
+
+def constructor_keywords() -> dict[str, Any]:
+    """Every keyword ``Muon.__init__`` takes besides ``params``, with its default."""
+    out = {o.ctor_keyword: o.default for o in GROUP_OPTIONS if o.constructor}
+    out.update({f.name: f.default for f in fields(MuonSettings)})
+    return out
+
+
+def constructor_signature() -> inspect.Signature:
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in constructor_keywords().items()]
+    return inspect.Signature(params)
+
+
+def constructor_doc() -> str:
+    lines = ["Group options (defaults for every param group that does not set them):"]
+    for o in GROUP_OPTIONS:
+        if o.constructor:
+            lines.append(f"    {o.ctor_keyword}={o.default!r} [{'/'.join(o.kinds)} groups]: {o.doc}")
+    lines.append("Per-group only:")
+    lines += [f"    {o.name} [{'/'.join(o.kinds)} groups]: {o.doc}" for o in GROUP_OPTIONS if not o.constructor]
+    lines.append("Optimizer options:")
+    lines += [f"    {f.name}={f.default!r}: {f.metadata['declared'].doc}" for f in fields(MuonSettings)]
+    return "\n".join(lines)
+
+
+def from_constructor(options: Mapping[str, Any]) -> tuple[MuonSettings, dict[str, dict[str, Any]]]:
+    """The validated settings and per-kind group defaults from ``Muon.__init__``'s keywords.
+
+    Unknown keywords raise TypeError, as Python would for an explicit signature.
+    """
+    known = constructor_keywords()
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        raise TypeError(f"Muon.__init__() got an unexpected keyword argument {unknown[0]!r} "
+                        f"(its options: {', '.join(known)})")
+    values = {**known, **options}
+    settings = MuonSettings(**{f.name: values[f.name] for f in fields(MuonSettings)})
+    defaults: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
+    for o in GROUP_OPTIONS:
+        if not o.constructor:
+            continue
+        value = values[o.ctor_keyword]
+        o.check(value, o.ctor_keyword, values)
+        for kind in o.kinds:
+            defaults[kind][o.name] = value
+    return settings, defaults
+
+
+def torch_defaults(group_defaults: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """What torch's ``Optimizer`` keeps as ``defaults`` (and fills into every group)."""
+    out: dict[str, Any] = {}
+    for o in GROUP_OPTIONS:
+        if o.constructor and o.torch_default:
+            out[o.name] = group_defaults[o.kinds[-1]][o.name]
+    return out
+
+
+def kind_of(group: Mapping) -> str:
+    return MUON if group["use_muon"] else ADAMW
+
+
+def fill_group(group: dict, group_defaults: Mapping[str, Mapping[str, Any]]) -> None:
+    """Fill the options of the group's kind that it does not set (before torch fills the rest)."""
+    for name, value in group_defaults[kind_of(group)].items():
+        group.setdefault(name, value)
+    if group["use_muon"]:
+        group.setdefault(ROW_BLOCKS_KEY, None)
+
+
+def check_group(group: Mapping, where: str) -> None:
+    """Every option of a (filled) group that applies to its kind; ``where`` names the group."""
+    kind = kind_of(group)
+    for o in GROUP_OPTIONS:
+        if kind in o.kinds and o.name in group:
+            o.check(group[o.name], f"{where} {o.name}", group)
+
+
+def record(settings: MuonSettings, param_groups: Sequence[Mapping]) -> dict[str, str]:
+    """Everything that must be equal on every rank, as text (the agreement's error names the key)."""
+    out = {f.name: f.metadata["declared"].show(getattr(settings, f.name)) for f in fields(settings)}
+    for i, group in enumerate(param_groups):
+        out[f"param_groups[{i}].use_muon"] = repr(group.get("use_muon"))
+        for o in GROUP_OPTIONS:
+            if o.name in group:
+                out[f"param_groups[{i}].{o.name}"] = rank_independent_repr(group[o.name])
+    return out
+
+
+def digest(settings: MuonSettings, param_groups: Sequence[Mapping]) -> int:
+    return agreement.checksum_text("\n".join(f"{k}={v}" for k, v in record(settings, param_groups).items()))
+
+
+def plan_key(settings: MuonSettings, param_groups: Sequence[Mapping]) -> tuple:
+    """The settings the step plan depends on, by value (see :func:`snapshot`)."""
+    optimizer = tuple(getattr(settings, f.name) for f in fields(settings) if f.metadata["declared"].plan)
+    groups = tuple((g["use_muon"], *(snapshot(g.get(o.name)) for o in GROUP_OPTIONS if o.plan)) for g in param_groups)
+    return optimizer, groups
+
+
+def from_legacy(state: Mapping[str, Any]) -> MuonSettings:
+    """Settings of an optimizer pickled before they were one record (attributes of the optimizer;
+    the Newton–Schulz eps was ``ns_eps``); missing ones take their defaults."""
+    renamed = {"ns_eps": "eps"}
+    values = {renamed.get(k, k): v for k, v in state.items() if renamed.get(k, k) in {f.name for f in fields(MuonSettings)}}
+    return MuonSettings(**values)

@@ -1,0 +1,400 @@
+"""A step's context: everything that depends only on the parameters, their layouts, which of
+them have gradients, and the settings.
+
+Built from the settings and the param groups (never from the optimizer's internals), cached by
+``Muon`` and rebuilt only when its key changes (:func:`context_key`).  It holds what every step
+reuses: the step plan (``parallel/plan.py``), the descriptions the ranks compare
+(``distributed/agreement.py``), QK-clip's static plan and row maps, and each Muon parameter's
+row blocks.  Per step it answers three questions:
+
+* :meth:`StepContext.local_facts` — what this rank knows about the step before the ranks
+  agree: its problems, QK-clip's values on the device, the facts to sum;
+* :meth:`StepContext.verdict` — after the agreement: raise the same error on every rank, or
+  say whether every rank skips the step;
+* :meth:`StepContext.clip_rows` — QK-clip's scale table and row slots of one parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import settings as options
+from .checks import gradient_problem, param_problem
+from .distributed import agreement, groups
+from .distributed.layout import MeshGrid, ParamLayout
+from .newton_schulz import default_compute_dtype, newton_schulz_flops
+from .parallel.plan import PlanParam, PlanSettings, StepPlan, build_plan
+from .qk_clip.plan import QKClipPlan, build_qk_clip_plan
+from .qk_clip.step import ClipStep, check_layer_gradients, check_step_logits, compute_clip_step, describe_nonfinite
+from .row_blocks import ROW_BLOCKS_KEY, RowBlocks, resolve_row_blocks, spec_for
+from .settings import MuonSettings
+from .tensors import is_dtensor, local_view
+
+# "auto" splits a matrix over replicas when its Newton–Schulz does at least this many
+# FLOPs per byte of update shipped to the other replicas: a GPU's bf16 rate over an
+# inter-node link (~400 TFLOP/s over ~40 GB/s per GPU), a CPU core's fp32 rate over
+# loopback (~50 GFLOP/s over ~1 GB/s).
+DEFAULT_REPLICA_FLOPS_PER_BYTE = {"cuda": 1e4, "cpu": 50.0}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One parameter of the optimizer, as a step sees it."""
+
+    name: str
+    param: torch.Tensor
+    group: int  # index into param_groups
+    use_muon: bool
+
+
+def entries_of(param_groups: Sequence[Mapping]) -> list[Entry]:
+    """Every parameter with its name (``param_names``, or its position) and group."""
+    out = []
+    for gi, group in enumerate(param_groups):
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            out.append(Entry(names[i] if names else f"param_groups[{gi}]['params'][{i}]", p, gi, group["use_muon"]))
+    return out
+
+
+def context_key(settings: MuonSettings, param_groups: Sequence[Mapping]) -> tuple:
+    """What a context depends on.  Parameters enter by identity (``id``: the cached context holds
+    them, so an id cannot be reused while the key lives) and by what a step reads of them (shape,
+    dtype, placements, mesh, gradient and its dtype), settings by value (``settings.plan_key``)."""
+    params = []
+    for group in param_groups:
+        for p in group["params"]:
+            g = p.grad
+            layout = (id(p.device_mesh), tuple(p.placements)) if is_dtensor(p) else None
+            params.append((id(p), tuple(p.shape), p.dtype, layout, g is not None, None if g is None else g.dtype))
+    return tuple(params), options.plan_key(settings, param_groups)
+
+
+class Layouts:
+    """One :class:`ParamLayout` per distinct (mesh, shape, placements), shared by the optimizer's
+    contexts: the plan caches index math by layout object, and models repeat a few shapes."""
+
+    def __init__(self):
+        self._grids: dict[object, MeshGrid] = {}
+        self._layouts: dict[tuple, ParamLayout] = {}
+
+    def grid(self, mesh) -> MeshGrid:
+        hit = self._grids.get(mesh)
+        if hit is None:
+            hit = self._grids[mesh] = MeshGrid.of(mesh)
+        return hit
+
+    def of(self, p) -> ParamLayout:
+        key = (p.device_mesh, tuple(p.shape), tuple(p.placements))
+        hit = self._layouts.get(key)
+        if hit is None:
+            hit = self._layouts[key] = ParamLayout(tuple(p.shape), self.grid(p.device_mesh), tuple(p.placements))
+        return hit
+
+
+@dataclass
+class LocalFacts:
+    """What this rank knows about a step before the ranks agree (named, not positional)."""
+
+    errors: list[str]
+    closure_error: BaseException | None
+    qk_logits: Mapping | None
+    clip: ClipStep | None
+    nonfinite_grads: torch.Tensor
+    nonfinite_logits: torch.Tensor
+    logits_digest: torch.Tensor
+
+    def summed(self) -> dict[str, int | torch.Tensor]:
+        """The facts the ranks sum (the agreement lays them out by name)."""
+        return {
+            "qk_logits_passed": int(self.qk_logits is not None),
+            "rejected_inputs": int(bool(self.errors)),
+            "closure_raised": int(self.closure_error is not None),
+            "nonfinite_grads": self.nonfinite_grads,
+            "nonfinite_logits": self.nonfinite_logits,
+        }
+
+
+class StepContext:
+    """See the module docstring.  ``errors`` are this rank's problems found while building."""
+
+    def __init__(self, key: tuple, entries: list[Entry], settings: MuonSettings, param_groups: Sequence[Mapping],
+                 layouts: Layouts, rank: int):
+        self.key = key
+        self.settings = settings
+        self.entries = entries
+        self.errors: list[str] = []
+        self._describe_dtensors(layouts)
+        self.muon = [e for e in entries if e.use_muon and e.param.grad is not None]
+        self.muon_groups = [param_groups[e.group] for e in self.muon]
+        self.device = local_view(self.muon[0].param).device if self.muon else torch.device("cpu")
+        self.row_blocks: list[RowBlocks | None] = [None] * len(self.muon)
+        self.qk_plan: QKClipPlan | None = None
+        self.plan = StepPlan()
+        self._layouts = layouts
+        self._rank = rank
+        self._clip_index: dict[int, torch.Tensor] = {}
+        self.errors += [problem for e in entries if (problem := param_problem(e.name, e.param))]
+        if self.errors:
+            return
+        if settings.qk_clip is not None:
+            try:
+                self.qk_plan = build_qk_clip_plan(settings.qk_clip, qk_params(entries, param_groups))
+            except ValueError as err:
+                self.errors.append(str(err))
+        plan_params = [self._plan_param(i) for i in range(len(self.muon))]
+        if not self.errors:
+            self._plan(plan_params)
+
+    # ------------------------------------------------------------------ building
+
+    def _describe_dtensors(self, layouts: Layouts) -> None:
+        """What the agreement compares across ranks, and the group it runs on."""
+        dt = [e for e in self.entries if is_dtensor(e.param)]
+        self.dtensor_names = [e.name for e in dt]
+        self.described = [describe(e.name, e.param) for e in dt]
+        self.has_grad = [int(e.param.grad is not None) for e in dt]
+        self.checksums = agreement.parameter_checksums(self.described, self.has_grad)  # once, not per step
+        self.agreement_group, self.agreement_device = None, torch.device("cpu")
+        if dt and dist.is_initialized():
+            meshes = {id(e.param.device_mesh): e.param for e in dt}
+            union = sorted({r for p in meshes.values() for r in layouts.grid(p.device_mesh).ranks})
+            try:
+                self.agreement_group = groups.group_for(union)
+            except RuntimeError as err:
+                self.errors.append(str(err))
+            self.agreement_device = mesh_device(next(iter(meshes.values())).device_mesh)
+
+    def _plan_param(self, i: int) -> PlanParam:
+        e, group = self.muon[i], self.muon_groups[i]
+        p = e.param
+        layout = self._layouts.of(p) if is_dtensor(p) else None
+        if layout is not None:
+            problem = local_shape_problem(e.name, p, layout, self._rank)
+            if problem:
+                self.errors.append(problem)
+        compute = self.settings.compute_dtype or default_compute_dtype(local_view(p).device)
+        cost, ns_key = ns_cost(group, compute), e.group
+        if group.get(ROW_BLOCKS_KEY) is not None:
+            try:
+                blocks = resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], e.name, f"Muon: param_groups[{e.group}]"),
+                                            e.name, p.shape)
+            except ValueError as err:
+                self.errors.append(str(err))
+                blocks = None
+            if blocks is not None:
+                self.row_blocks[i] = blocks
+                ns_key = (e.group, e.name)  # its own orthogonalisation: never batched with others
+                cost = blocks_cost(blocks, cost)
+        return PlanParam(
+            name=e.name, shape=tuple(p.shape), layout=layout, wire_dtype=wire_dtype(compute, p),
+            device=local_view(p).device, ns_key=ns_key, cost=cost,
+            mesh=p.device_mesh if layout is not None else None,
+            compute_itemsize=compute.itemsize, state_itemsize=p.dtype.itemsize,
+        )
+
+    def _plan(self, plan_params: list[PlanParam]) -> None:
+        s = self.settings
+        flops_per_byte = s.replica_split_flops_per_byte
+        if flops_per_byte is None:
+            flops_per_byte = DEFAULT_REPLICA_FLOPS_PER_BYTE.get(self.agreement_device.type, 1e4)
+        plan_settings = PlanSettings(chunk_size=s.chunk_size, replica_split=s.replica_split,
+                                     replica_min_flops_per_byte=flops_per_byte, mode=s.distributed_mode)
+        try:
+            self.plan = build_plan(plan_params, self._rank, plan_settings, groups.group_for)
+        except (RuntimeError, ValueError) as err:  # found on this rank only: agree, then raise
+            self.errors.append(f"Muon.step: cannot plan the parallel step on this rank: {err}")
+
+    # ------------------------------------------------------------------ per step
+
+    @property
+    def muon_params(self) -> list[torch.Tensor]:
+        return [e.param for e in self.muon]
+
+    def local_facts(self, qk_logits, closure_error: BaseException | None, skip_nonfinite: bool) -> LocalFacts:
+        """This rank's problems, QK-clip's values and the facts to agree on (nothing changes yet;
+        device facts stay on the device)."""
+        errors = list(self.errors)
+        for e in self.entries:
+            problem = gradient_problem(e.name, e.param, e.param.grad, e.use_muon)
+            if problem:
+                errors.append(problem)
+        clip = None
+        if not errors:
+            clip, qk_errors = self._qk_step(qk_logits)
+            errors += qk_errors
+        nothing = torch.zeros((), dtype=torch.int64)
+        grads = [local_view(e.param.grad) for e in self.muon]
+        return LocalFacts(
+            errors=errors, closure_error=closure_error, qk_logits=qk_logits, clip=clip,
+            nonfinite_grads=count_nonfinite(grads) if skip_nonfinite and not errors else nothing,
+            nonfinite_logits=clip.nonfinite if clip is not None else nothing,
+            logits_digest=agreement.device_checksum({0: clip.flat_logits}) if clip is not None else nothing,
+        )
+
+    def agree(self, facts: LocalFacts, settings_digest: int, describe_settings: Callable[[], Mapping[str, str]]):
+        """The step's one all-reduce (see ``distributed/agreement.py``)."""
+        return agreement.agree(
+            self.described, self.has_grad, facts=facts.summed(), settings=settings_digest,
+            device_digest=facts.logits_digest, group=self.agreement_group, device=self.agreement_device,
+            describe_settings=describe_settings, checksums=self.checksums,
+        )
+
+    def verdict(self, facts: LocalFacts, outcome: agreement.Outcome) -> bool:
+        """Raise the same error on every rank if any rank cannot step; else whether every rank
+        skips the step (``skip_nonfinite`` and a non-finite gradient somewhere)."""
+        counts, n = outcome.counts, outcome.ranks
+        if facts.closure_error is not None:
+            raise facts.closure_error
+        if counts["closure_raised"]:
+            raise RuntimeError(
+                f"Muon.step: the closure raised on {counts['closure_raised']} of {n} ranks (their errors say why); "
+                "this rank stops too so that no collective hangs."
+            )
+        if facts.errors:
+            raise ValueError("\n".join(facts.errors))
+        if counts["rejected_inputs"]:
+            raise RuntimeError(
+                f"Muon.step: {counts['rejected_inputs']} of {n} ranks rejected their inputs (their errors say why); "
+                "this rank stops too so that no collective hangs."
+            )
+        for name, c in zip(self.dtensor_names, outcome.grad_counts):
+            if 0 < c < n:
+                raise RuntimeError(
+                    f"Muon.step: parameter '{name}' has a gradient on {c} of {n} ranks and None on the "
+                    "others. A sharded parameter needs a gradient on every rank: use it in every rank's "
+                    "forward, or call zero_grad(set_to_none=False) so unused parameters get zero gradients."
+                )
+        self._check_logits_agreed(facts, outcome)
+        return counts["nonfinite_grads"] > 0
+
+    def _check_logits_agreed(self, facts: LocalFacts, outcome: agreement.Outcome) -> None:
+        passed, n = outcome.counts["qk_logits_passed"], outcome.ranks
+        if 0 < passed < n:
+            raise RuntimeError(
+                f"Muon.step: qk_logits was passed on {passed} of {n} ranks and None on the others; "
+                "pass the same qk_logits on every rank (reduce them over the data-parallel ranks first)."
+            )
+        if not outcome.same_device_digest:
+            raise RuntimeError(
+                "Muon.step: qk_logits differ between ranks; every rank must pass the same per-head max "
+                "logits (optimizer.max_logits.gather_max_logits max-reduces over data-parallel ranks and "
+                "gathers over tensor-parallel ranks)."
+            )
+        if outcome.counts["nonfinite_logits"]:
+            raise ValueError(describe_nonfinite(facts.qk_logits))  # every rank: they all pass the same logits
+
+    def _qk_step(self, qk_logits) -> tuple[ClipStep | None, list[str]]:
+        """This step's QK-clip values (on the device, no host read) or the problems with ``qk_logits``."""
+        errors = check_step_logits(self.qk_plan, qk_logits, self.device)
+        if errors or qk_logits is None or self.qk_plan is None:
+            return None, errors
+        has_grad = {e.name: e.param.grad is not None for e in self.muon}
+        errors, active = check_layer_gradients(self.qk_plan, has_grad)
+        if errors:
+            return None, errors
+        skipped = [layer for layer in self.qk_plan.layers if layer not in active]
+        return compute_clip_step(self.qk_plan, qk_logits, self.device, skipped_layers=skipped), []
+
+    def clip_rows(self, i: int, clip: ClipStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(scale table, table slot of every local row) when Muon parameter ``i`` is clipped this step."""
+        if clip is None:
+            return None
+        rows = self.qk_plan.weights.get(self.muon[i].name)
+        if rows is None:
+            return None
+        index = self._clip_index.get(i)
+        if index is None:  # once per placement
+            p = self.muon[i].param
+            index = self._clip_index[i] = rows.local_index(self._local_rows(p), local_view(p).device)
+        return clip.table, index
+
+    def _local_rows(self, p) -> slice | torch.Tensor:
+        if not is_dtensor(p):
+            return slice(0, p.shape[0])
+        layout = self._layouts.of(p)
+        return layout.indices(layout.grid.coordinate(self._rank))[0]
+
+
+# ---------------------------------------------------------------------------- helpers (pure)
+
+
+def qk_params(entries: Sequence[Entry], param_groups: Sequence[Mapping]) -> list[tuple[str, tuple[int, ...], bool, int]]:
+    """What QK-clip's static plan needs of every parameter: name, global shape, group kind and index."""
+    return [(e.name, tuple(e.param.shape), e.use_muon, e.group) for e in entries]
+
+
+def describe(name: str, p) -> str:
+    """A DTensor parameter as the agreement compares it across ranks."""
+    return f"'{name}' {tuple(p.shape)} {tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)}"
+
+
+def ns_cost(group: Mapping, compute_dtype: torch.dtype) -> Callable[[tuple[int, ...]], float]:
+    """Newton–Schulz FLOPs of a (sub-)shape, of the form ``ns_method`` picks for it (owners are
+    balanced on the work actually done)."""
+    steps, method, coefficients = group["ns_steps"], group.get("ns_method", "auto"), group["ns_coefficients"]
+
+    def cost(shape: tuple[int, ...]) -> float:
+        return float(newton_schulz_flops(shape, steps, method, compute_dtype, coefficients))
+
+    return cost
+
+
+def blocks_cost(blocks: RowBlocks, matrix_cost: Callable) -> Callable[[tuple[int, ...]], float]:
+    # Newton–Schulz runs per block: the owner's work is the sum over blocks
+    def cost(shape: tuple[int, ...]) -> float:
+        return float(sum(c.count * matrix_cost((c.rows_per_block, shape[-1])) for c in blocks.classes))
+
+    return cost
+
+
+def wire_dtype(compute: torch.dtype, p) -> torch.dtype:
+    """What a sharded update travels as: the Newton–Schulz dtype when narrower."""
+    return compute if compute.itemsize < p.dtype.itemsize else p.dtype
+
+
+def mesh_device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def local_shape_problem(name: str, p, layout: ParamLayout, rank: int) -> str | None:
+    coord = layout.grid.coordinate(rank)
+    if coord is None:
+        return None  # param_problem names it
+    want = layout.local_shape(coord)
+    got = tuple(local_view(p).shape)
+    if got != want:
+        return (
+            f"Muon: parameter '{name}' has a local shard of shape {got} on this rank, but its placements "
+            f"{tuple(p.placements)} on a {tuple(layout.grid.shape)} mesh put a shard of shape {want} here "
+            "(torch.chunk semantics). The DTensor was built with a layout its placements do not describe; "
+            "build it with distribute_tensor/redistribute or pass the right shape/stride to from_local."
+        )
+    return None
+
+
+def count_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
+    """How many local gradients hold a NaN/Inf, as a 0-d device tensor (no host sync).
+
+    The max-abs norm of finite values is finite in any dtype (an fp16 sum of squares
+    would overflow above 65504 and flag finite gradients).
+    """
+    nonempty = [g for g in grads if g.numel()]
+    if not nonempty:
+        return torch.zeros((), dtype=torch.int64, device=grads[0].device if grads else "cpu")
+    norms = torch._foreach_norm(nonempty, float("inf"))
+    return (~torch.isfinite(torch.stack([n.float() for n in norms]))).sum()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+__all__: list[Any] = ["StepContext", "LocalFacts", "Layouts", "context_key", "entries_of"]
