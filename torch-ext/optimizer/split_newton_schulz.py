@@ -26,10 +26,11 @@ Classic form, per step (``method="classic"``, or one-step Gram segments):
   - ``"rows"``: rank j computes rows ``[j p, (j+1) p)`` of B (p = ceil(m / k); 2 p m^2 FLOPs) and
     an all-gather assembles B (each rank sends (k-1) p m numbers and takes one more collective).
     Worth it when the FLOPs saved, 2 m^2 (m - p), take longer than the all-gather:
-    ``(2 m^2 (m - p)) / rate > (k-1) p m itemsize / bandwidth + latency``; on the CUDA model
-    (400 TFLOP/s, 150 GB/s, 20 us) that is m >~ 2,700 in bf16 (m = 1024 at k = 2 stays
-    replicated, m = 8192 splits), on this CPU it is already m >~ 100 (fp32 at 24 GFLOP/s against
-    0.5 GB/s). ``"auto"`` applies that inequality (:func:`choose_b_split`), a pure function of
+    ``2 m^2 (m - p) / rate > (k-1) p m itemsize / bandwidth + latency``. With p = m / k the
+    bandwidth term alone gives ``m > rate itemsize / (2 bandwidth)`` whatever k; with the latency,
+    on the CUDA model (400 TFLOP/s, 150 GB/s, 20 us, bf16) rows pay from m = 3,100-3,400
+    (m = 1024 stays replicated, Llama-3-70B's m = 8192 splits), on this CPU (fp32 70 GFLOP/s,
+    1.2 GB/s, 250 us) from m = 260-310. ``"auto"`` applies that inequality (:func:`choose_b_split`), a pure function of
     shape, k, dtype and hardware, so every rank decides alike.
 
   Microsoft's dion takes neither route: its Muon re-shards with all-to-alls so that each rank
@@ -171,20 +172,19 @@ CUDA_NVLINK = SplitHardware(
     compute_dtype=torch.bfloat16,
 )
 
-# This machine (2-core AMD EPYC, torch 2.13.0+cpu), one thread per rank, measured with
-# ``python benchmarks/split_ns.py --calibrate`` (medians over repeats, other jobs sharing the
-# cores, so +-30%):
-# - fp32 matmul 1024^2 x 1024 on one thread: 24 GFLOP/s (min 20, max 33 over runs; idle-machine
-#   Newton-Schulz figures in benchmarks/README.md reach 110-138 GFLOP/s with the symmetric blocks
-#   and an idle core, so this is a loaded-machine figure); bf16 ~1 GFLOP/s.
-# - gloo all-reduce between 2 forked ranks over loopback: 8-byte latency 0.15 ms, large
-#   messages (4-64 MiB) 0.5 GB/s bus bandwidth.
+# This machine (2-core AMD EPYC with AVX512-BF16, torch 2.13.0+cpu), one thread per rank, measured
+# with ``python benchmarks/split_ns.py --calibrate`` (three runs, load average ~1.5-4 from other jobs):
+# - matmul on one thread: fp32 65-88 GFLOP/s at 1024^3 (X X^T shapes 72); bf16 176-192 GFLOP/s at
+#   256^3 (210 at 1024: this CPU has native bf16 dot products, unlike the machines behind
+#   default_compute_dtype's "bf16 ~100x slower" note).
+# - gloo all-reduce between 2 forked ranks over loopback: 236-291 us for 8 bytes; bus bandwidth
+#   0.6-1.6 GB/s for 1-64 MiB (1.0-1.55 GB/s at 64 MiB).
 CPU_GLOO = SplitHardware(
-    name="cpu: gloo over loopback, 1 thread per rank (measured: fp32 24 GFLOP/s, bf16 1 GFLOP/s, 0.5 GB/s, 150 us)",
-    bf16_flops=1e9,
-    fp32_flops=24e9,
-    bandwidth=0.5e9,
-    latency=150e-6,
+    name="cpu: gloo over loopback, 1 thread per rank (measured: fp32 70 GFLOP/s, bf16 180 GFLOP/s, 1.2 GB/s, 250 us)",
+    bf16_flops=180e9,
+    fp32_flops=70e9,
+    bandwidth=1.2e9,
+    latency=250e-6,
     compute_dtype=torch.float32,
 )
 
@@ -380,15 +380,21 @@ def choose_split_ranks(
     coefficients: CoefficientSpec = "fixed",
     candidates: Sequence[int] | None = None,
     target_s: float | None = None,
+    tolerance: float = 0.1,
 ) -> int:
-    """k (1: do not split) minimising :func:`split_critical_path` for ``shape``.
+    """k (1: do not split) for ``shape``, from :func:`split_critical_path` of each candidate k.
 
-    ``candidates``: the k to consider (default 1 and the powers of two up to ``max_ranks``, and
-    never more than the long side). With ``target_s`` (e.g. the per-rank ideal share), the
-    smallest k whose time is within it, if any: no more ranks than the unit needs. Ties go to the
-    smaller k. Pure: no tensors, the same answer on every rank."""
+    ``candidates``: the k to consider (default 1 and the powers of two up to ``max_ranks``;
+    never more than the long side). The answer is the smallest k whose time is within
+    ``tolerance`` of the fastest candidate's: past the point where the collectives dominate, more
+    ranks buy almost nothing (a 512 x 512 fp32 matrix on CPU_GLOO: 16.3 ms at k = 64, 15.7 ms at
+    k = 512) and every member is held for the whole unit. With ``target_s`` (e.g. the per-rank
+    ideal share), the smallest k whose time is within it, if any: no more ranks than the unit
+    needs. Pure: no tensors, the same answer on every rank."""
     if isinstance(max_ranks, bool) or not isinstance(max_ranks, int) or max_ranks < 1:
         raise ValueError(f"choose_split_ranks: max_ranks must be a positive int, got {max_ranks!r}")
+    if not tolerance >= 0:
+        raise ValueError(f"choose_split_ranks: tolerance must be >= 0, got {tolerance!r}")
     l = max(int(d) for d in tuple(shape)[-2:])
     if candidates is None:
         candidates = [1 << e for e in range(max_ranks.bit_length()) if (1 << e) <= max_ranks]
@@ -398,7 +404,8 @@ def choose_split_ranks(
         within = [k for t, k in times if t <= target_s]
         if within:
             return within[0]
-    return min(times)[1]
+    best = min(t for t, _ in times)
+    return next(k for t, k in times if t <= best * (1 + tolerance))
 
 
 # ----------------------------------------------------------------------------
