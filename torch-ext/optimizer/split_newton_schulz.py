@@ -30,8 +30,9 @@ Classic form, per step (``method="classic"``, or one-step Gram segments):
     bandwidth term alone gives ``m > rate itemsize / (2 bandwidth)`` whatever k; with the latency,
     on the CUDA model (400 TFLOP/s, 150 GB/s, 20 us, bf16) rows pay from m = 3,100-3,400
     (m = 1024 stays replicated, Llama-3-70B's m = 8192 splits), on this CPU (fp32 70 GFLOP/s,
-    1.2 GB/s, 250 us) from m = 260-310. ``"auto"`` applies that inequality (:func:`choose_b_split`), a pure function of
-    shape, k, dtype and hardware, so every rank decides alike.
+    1.2 GB/s, 250 us) from m = 260-310. ``"auto"`` applies that inequality
+    (:func:`choose_b_split`), a pure function of shape, k, dtype and hardware, so every rank
+    decides alike.
 
   Microsoft's dion takes neither route: its Muon re-shards with all-to-alls so that each rank
   orthogonalises whole matrices (one matrix per rank and batch of world-size matrices), as our
@@ -45,7 +46,11 @@ segment, the m x m recursion of :func:`~optimizer.newton_schulz._gram_segment_fa
 rank (``(4 L - 3) 2 m^3`` FLOPs, not split), then ``X_i <- Q X_i``. Segments of one step are classic
 steps (as in the unsplit code). The form is chosen exactly as the unsplit call would choose it
 for the whole matrix (``choose_ns_method`` on the full shape): the two forms differ by up to ~1e-3
-in fp32, so results must not depend on whether the planner split a matrix.
+in fp32, so results must not depend on whether the planner split a matrix. The price: where the
+Gram form is picked (fp32, n > 1.5 m) its replicated m x m recursion, ``17 m^3`` multiply-adds for
+5 steps, caps the gain (2048 x 4096 over 2 ranks: modelled 1.10x, the classic form 1.93x). In
+bf16, the CUDA default, "auto" is always the classic form. Splitting the recursion's products by
+rows as well (like B) would lift the cap for 3-4 all-gathers per step; not done.
 
 Normalisation, folded into the first collective. The unsplit code divides the compute-dtype
 matrix by ``max(||X||_F * norm_safety, eps)`` with the norm taken in fp32 (or wider). The first
@@ -60,13 +65,26 @@ later ones in the compute dtype. The fold assumes ``||G||_F^2`` is representable
 (fp32: ``1e-19 < ||G||_F < 1e19``); outside it the unsplit code's own fp32 norm under/overflows
 too. An all-zero matrix gives zeros, like the unsplit code.
 
-Numerics (measured, tests/test_split_newton_schulz.py): fp32, 5 and 10 steps, both forms, 2-8
-ranks: within 1.2e-6 of the unsplit result (asserted 1e-5). bf16: the partial Gram matrices are
-rounded to bf16 on each rank before the sum, so results differ from the unsplit call by a few
-bf16 ulps (max 2^-6 = 1.6e-2 absolute on unit-scale outputs, the rms difference ~2e-3; the unsplit
-bf16 result itself is ~1e-2 from the fp32 one). Every replicated quantity (A, B, Q) is the output
-of one collective or of the same kernels on identical inputs, hence bitwise identical on every
-rank of the group (asserted), which keeps the blocks consistent.
+Numerics (measured; tests/test_split_newton_schulz.py asserts them with margin):
+
+* fp32, Gaussian inputs (wide, tall, square, batched), 2-8 ranks, even and uneven blocks, both
+  forms and tables, 5 and 10 steps, B replicated or by rows: within 3e-6 of the unsplit result
+  (1.15e-5 at 2048 x 4096 on 2 ranks, both forms).
+* fp32, hard inputs (rank-deficient, condition number 1e4, the Gram form forced on a square
+  Gaussian matrix): rounding below the noise floor is amplified; the unsplit call itself moves by
+  up to 1e-2 (Gram) / 3e-3 (classic) when its columns are merely permuted, and the split deviates
+  by about as much (at most 1.2x that). Without the Gram restarts it would be 1e23 off.
+* bf16: the partial Gram matrices are rounded to bf16 on each rank and summed in bf16, so the
+  split is another bf16 rounding path: max |split - unsplit| 3.3e-2, rms 5.5e-3 (outputs up to
+  ~0.6; 2-8 ranks). That is bf16 Newton-Schulz's own sensitivity: changing one input element by
+  one bf16 ulp moves the unsplit result by up to 1.6e-2 (rms 2.3e-3). Against the fp32 result,
+  the split's rms error is 1.1-1.3x the unsplit's (median; at most 1.9x at 8 ranks). Summing
+  fp32 partial Gram matrices (``torch.mm(..., out_dtype=torch.float32)`` on CUDA) in an fp32
+  all-reduce would remove most of that, for 2x the all-reduce bytes; not done.
+
+Every replicated quantity (A, B, Q) is the output of one collective or of the same kernels on
+identical inputs, hence bitwise identical on every rank of the group (asserted), which keeps the
+blocks consistent.
 
 No host synchronisation (no ``.item()``), no process-group creation: the caller passes a group
 created once, elsewhere. Every member must call with the same shapes and arguments (``widths`` is
