@@ -6,20 +6,20 @@ accuracy (measured here; bounds asserted below):
 
 * fp32, 2/4/8 ranks, wide, tall (transposed by the caller), square and batched Gaussian inputs,
   even and uneven blocks, both forms, both tables, 5 and 10 steps, B replicated or by rows:
-  within 3e-6 of the unsplit result (asserted 1e-5). For the Gram form on a square matrix the
+  within 5.5e-6 of the unsplit result (asserted 1e-5). For the Gram form on a square matrix the
   input is shifted to condition number ~3 (see below).
 * fp32 on hard inputs (rank 3, condition number 1e4, and the Gram form forced on a square
   Gaussian matrix, singular values down to 6e-3 of the norm; "auto" never picks the Gram form
   for a square one): rounding below the noise floor is amplified, and the unsplit call itself
   moves by up to 1e-2 (Gram) / 3e-3 (classic) when its columns are merely permuted. The split,
-  which sums X X^T in yet another order, deviates by about as much (measured at most 1.2x that;
+  which sums X X^T in yet another order, deviates by about as much (measured at most 1.25x that;
   asserted 3x).
 * bf16: partial Gram matrices are rounded to bf16 on each rank before the all-reduce, so the
   split is another bf16 rounding path: measured max |split - unsplit| 3.3e-2, rms 5.5e-3 (outputs
   up to ~0.6). The unsplit bf16 result itself moves by up to 1.6e-2 (rms 2.3e-3) when one input
-  element changes by one bf16 ulp, and lies 1-2e-2 from the fp32 result; the split lies at most
-  1.5x as far from the fp32 result as the unsplit one. Asserted: max 5e-2, rms 8e-3, and at most
-  2x the unsplit's distance to fp32.
+  element changes by one bf16 ulp, and lies 1-2e-2 from the fp32 result; the split's rms error
+  against fp32 is 1.1-1.3x the unsplit's (median over cases; at most 1.9x, at 8 ranks).
+  Asserted (2 and 4 ranks): max 5e-2, rms 8e-3, rms error against fp32 at most 2.5x the unsplit's.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def test_hard_inputs_are_within_the_unsplit_forms_own_rounding_sensitivity():
     """Rank-deficient and ill-conditioned inputs (10 steps: the Gram form restarts), and the Gram
     form forced on a square Gaussian matrix: rounding below the noise floor is amplified, so the
     unsplit call itself moves (up to 1e-2) when its columns are only permuted. The split sums
-    X X^T in yet another order and stays within 3x that (measured <= 1.2x). The restart plan is
+    X X^T in yet another order and stays within 3x that (measured <= 1.25x). The restart plan is
     what keeps it there: run as one 10-step segment, the Gram form is 1e23 off on the rank-3 input."""
     per_rank = run_ranks(_hard_inputs, 4, timeout=TIMEOUT)
     for i, case in enumerate(HARD_CASES):
