@@ -390,19 +390,27 @@ def _gram_iterations(X: Tensor, steps: Sequence[Coefficients], plan: Sequence[in
             X = _classic_iterations(X, segment)
             continue
         A = _symmetric_product(X, X.mT, blocks=symmetric)
-        Q = None
-        for j, (a, b, c) in enumerate(segment):
-            B = _symmetric_product(A, A, A, beta=b, alpha=c, blocks=symmetric)
-            if Q is None:
-                Q = B.clone()
-                Q.diagonal(dim1=-2, dim2=-1).add_(a)  # q(A) = a I + B
-            else:
-                Q = _symmetric_product(Q, B, Q, beta=a, blocks=symmetric)  # Q q(A) = a Q + Q B
-            if j + 1 < length:
-                AQ = _symmetric_product(A, B, A, beta=a, blocks=symmetric)  # A q(A)
-                A = _symmetric_product(B, AQ, AQ, beta=a, blocks=symmetric)  # q(A) A q(A)
-        X = mm(Q, X)
+        X = mm(_gram_segment_factor(A, segment, symmetric), X)
     return X
+
+
+def _gram_segment_factor(A: Tensor, segment: Sequence[Coefficients], symmetric: bool) -> Tensor:
+    """Q of one Gram segment: the product of its steps' ``q(A_j) = a I + b A_j + c A_j^2``, run on
+    the s x s Gram matrix ``A`` ([s, s] or [batch, s, s]) of the segment's first X alone (then
+    ``X <- Q X``). Also used by split_newton_schulz, which all-reduces A over ranks first."""
+    Q = None
+    length = len(segment)
+    for j, (a, b, c) in enumerate(segment):
+        B = _symmetric_product(A, A, A, beta=b, alpha=c, blocks=symmetric)
+        if Q is None:
+            Q = B.clone()
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)  # q(A) = a I + B
+        else:
+            Q = _symmetric_product(Q, B, Q, beta=a, blocks=symmetric)  # Q q(A) = a Q + Q B
+        if j + 1 < length:
+            AQ = _symmetric_product(A, B, A, beta=a, blocks=symmetric)  # A q(A)
+            A = _symmetric_product(B, AQ, AQ, beta=a, blocks=symmetric)  # q(A) A q(A)
+    return Q
 
 
 # Rows below which a symmetric product is done as one matmul (smaller GEMMs lose efficiency).
