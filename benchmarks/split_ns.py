@@ -44,7 +44,7 @@ _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO / "torch-ext"))
 
 from optimizer.newton_schulz import zeropower_via_newtonschulz  # noqa: E402
-from optimizer.split_newton_schulz import (  # noqa: E402
+from optimizer.parallel.split_newton_schulz import (  # noqa: E402
     choose_b_split,
     column_blocks,
     hardware_for,

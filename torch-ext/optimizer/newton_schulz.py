@@ -397,7 +397,7 @@ def _gram_iterations(X: Tensor, steps: Sequence[Coefficients], plan: Sequence[in
 def _gram_segment_factor(A: Tensor, segment: Sequence[Coefficients], symmetric: bool) -> Tensor:
     """Q of one Gram segment: the product of its steps' ``q(A_j) = a I + b A_j + c A_j^2``, run on
     the s x s Gram matrix ``A`` ([s, s] or [batch, s, s]) of the segment's first X alone (then
-    ``X <- Q X``). Also used by split_newton_schulz, which all-reduces A over ranks first."""
+    ``X <- Q X``). Also used by parallel/split_newton_schulz.py, which all-reduces A over ranks first."""
     Q = None
     length = len(segment)
     for j, (a, b, c) in enumerate(segment):

@@ -1,4 +1,4 @@
-"""Newton-Schulz split by columns over k gloo ranks (optimizer.split_newton_schulz) against the
+"""Newton-Schulz split by columns over k gloo ranks (optimizer.parallel.split_newton_schulz) against the
 unsplit ``zeropower_via_newtonschulz`` of the whole matrix, and its cost model.
 
 Reference: the unsplit call on the full matrix, on every rank (same inputs, seeded). Stated
@@ -33,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from harness import run_ranks
 from optimizer.newton_schulz import newton_schulz_flops, zeropower_via_newtonschulz
-from optimizer.split_newton_schulz import (
+from optimizer.parallel.split_newton_schulz import (
     CPU_GLOO,
     CUDA_NVLINK,
     _split_ns,

@@ -108,7 +108,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .newton_schulz import (
+from ..newton_schulz import (
     NS_NORM_SAFETY,
     CoefficientSpec,
     _gram_segment_factor,
