@@ -66,7 +66,7 @@ except ImportError as err:  # pragma: no cover - the package __init__ has failed
 
 SUPPORTED_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 
-# id(attention module) -> list of (weakref to recorder, layer key, fqn)
+# id(attention module) -> list of (weakref to recorder, layer key, fqn, the recorder's token)
 _ACTIVE: dict[int, list] = {}
 # id(globals dict) -> [globals dict, original registry, number of recorders using it]
 _PATCHED: dict[int, list] = {}
@@ -88,7 +88,7 @@ class _RecordingInterface(AttentionInterface):
 def _recorded_attention(fn, implementation, module, query, key, value, attention_mask=None, *args, **kwargs):
     entries = _ACTIVE.get(id(module))
     if entries:
-        for ref, layer, fqn in entries:
+        for ref, layer, fqn, _ in entries:
             recorder = ref()
             if recorder is not None:
                 recorder._record(layer, fqn, implementation, module, query, key, attention_mask, kwargs)
@@ -117,6 +117,17 @@ def _unpatch(ns: dict) -> None:
     if entry[2] == 0:
         ns["ALL_ATTENTION_FUNCTIONS"] = entry[1]
         del _PATCHED[id(ns)]
+
+
+def _release(module_ids: list, namespaces: list, token: object) -> None:
+    """Drop one recorder's hooks (its entries, by its token) and its share of the patched registries."""
+    for mid in module_ids:
+        entries = _ACTIVE.get(mid, [])
+        entries[:] = [e for e in entries if e[3] is not token]
+        if not entries:
+            _ACTIVE.pop(mid, None)
+    for ns in namespaces:
+        _unpatch(ns)
 
 
 def _visible_from_tensor_mask(mask: Tensor, lq: int, lk: int) -> Tensor:
@@ -204,9 +215,9 @@ class MaxLogitRecorder:
             self._device[layer] = torch.device("cpu") if p is None else (p.to_local() if is_dtensor(p) else p).device
         self._modules = [m for _, m in by_layer.values()]
         self._namespaces = []
-        ref = weakref.ref(self)
+        ref, token = weakref.ref(self), object()
         for layer, (fqn, m) in by_layer.items():
-            _ACTIVE.setdefault(id(m), []).append((ref, layer, fqn))
+            _ACTIVE.setdefault(id(m), []).append((ref, layer, fqn, token))
             ns = _namespace(m)
             if not any(ns is seen for seen in self._namespaces):
                 self._namespaces.append(ns)
@@ -214,6 +225,9 @@ class MaxLogitRecorder:
         self._step = 0
         self._local: dict = {}
         self._forwards = 0
+        # a recorder dropped without remove() unhooks itself when collected
+        self._finalizer = weakref.finalize(self, _release, [id(m) for m in self._modules], list(self._namespaces),
+                                           token)
 
     # ------------------------------------------------------------------ recording
 
@@ -224,13 +238,7 @@ class MaxLogitRecorder:
 
     def remove(self) -> None:
         """Unhook the recorder (it records nothing afterwards)."""
-        for m in self._modules:
-            entries = _ACTIVE.get(id(m), [])
-            entries[:] = [e for e in entries if e[0]() is not self and e[0]() is not None]
-            if not entries:
-                _ACTIVE.pop(id(m), None)
-        for ns in self._namespaces:
-            _unpatch(ns)
+        self._finalizer()  # runs _release once
         self._modules, self._namespaces = [], []
 
     @torch.compiler.disable
