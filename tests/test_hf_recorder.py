@@ -138,7 +138,8 @@ def test_flex_attention_block_mask(monkeypatch):
 
     monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention",
                         lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw))
-    monkeypatch.setattr(hf_masks, "create_block_mask", lambda *a, **kw: create_block_mask(*a, **{**kw, "_compile": False}))
+    monkeypatch.setattr(hf_masks, "create_block_mask",
+                        lambda *a, **kw: create_block_mask(*a, **{**kw, "_compile": False}))
     model = scaled_up(hf_models.llama_lm(attn="flex_attention"))
     rec = MaxLogitRecorder(model)
     ids, pad = batch(padding="right")

@@ -5,8 +5,6 @@ bit-identically with row-block specs in the groups, and QK-clip with no change t
 The QK-clip tests need ``Muon.set_qk_logits_source`` (the optimizer core's side of the hand-over):
 until it exists they fail with build_muon's RuntimeError saying so."""
 
-import os
-
 import pytest
 import torch
 
@@ -224,4 +222,4 @@ def test_qk_clip_needs_the_core_hand_over(monkeypatch):
 def _quiet(monkeypatch):
     monkeypatch.setenv("WANDB_DISABLED", "true")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
