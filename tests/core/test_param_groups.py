@@ -123,3 +123,34 @@ def test_errors():
         get_default_muon_param_groups(TinyLM(), is_muon=lambda n, p: True)
     with pytest.raises(ValueError, match="cannot set 'params'"):
         get_default_muon_param_groups(TinyLM(), params=[])
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, d=4, experts=3):
+        super().__init__()
+        self.moe = nn.Module()
+        self.moe.router = nn.Linear(d, experts, bias=False)  # this repository's example model names it so
+        self.moe.experts = nn.Parameter(torch.zeros(experts, 2 * d, d))
+        self.moe.expert_bias = nn.Parameter(torch.zeros(experts, 2 * d))  # 2-D, but a bias
+        self.ln = nn.LayerNorm(d)
+        self.proj = nn.Linear(d, d)
+
+
+def test_router_and_2d_bias_go_to_adamw():
+    muon, adamw = get_default_muon_param_groups(TinyMoE())
+    assert names(muon) == {"moe.experts", "proj.weight"}
+    assert names(adamw) == {"moe.router.weight", "moe.expert_bias", "ln.weight", "ln.bias", "proj.bias"}
+
+
+def test_trainer_no_decay_and_adamw_options():
+    groups = get_default_muon_param_groups(TinyMoE(), no_decay="trainer", adamw_options={"lr": 1e-3, "weight_decay": 0.2},
+                                           lr=0.02)
+    assert [names(g) for g in groups] == [
+        {"moe.experts", "proj.weight"},
+        {"moe.router.weight"},  # decayed, as Trainer does (not a bias, not a norm)
+        {"moe.expert_bias", "ln.weight", "ln.bias", "proj.bias"},  # "bias" in the name, or inside a LayerNorm
+    ]
+    assert [(g.get("lr"), g.get("weight_decay")) for g in groups] == [(0.02, None), (1e-3, 0.2), (1e-3, 0.0)]
+    # a callable rule
+    groups = get_default_muon_param_groups(TinyMoE(), no_decay=lambda n, p: n.startswith("ln."))
+    assert names(groups[2]) == {"ln.weight", "ln.bias"} and groups[2]["weight_decay"] == 0.0

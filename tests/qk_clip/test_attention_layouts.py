@@ -219,8 +219,11 @@ def test_heads_spec_and_parse():
         resolve_row_blocks("heads:5", "layers.0.attention.wq.weight", (12, 5))
     with pytest.raises(ValueError, match="not understood"):
         parse_spec("qkv", "param_groups[0]")
-    with pytest.raises(ValueError, match="2-D"):
-        resolve_row_blocks("heads:4", "experts.w1", (2, 8, 4))
+    # 3-D expert stacks [E, R, C]: the spec splits every expert's [R, C] matrix alike
+    rb = resolve_row_blocks("heads:4", "experts.w1", (2, 8, 4))
+    assert rb.num_rows == 8 and list(rb.blocks) == [slice(0, 4), slice(4, 8)]
+    with pytest.raises(ValueError, match="2-D weight .* or a 3-D stack"):
+        resolve_row_blocks("heads:4", "conv.weight", (2, 2, 8, 4))
     with pytest.raises(ValueError, match="FusedQKV head counts"):
         resolve_row_blocks(FusedQKV(4, 2, 2), "w", (10, 3))
     # per-parameter dict, and its name check

@@ -72,3 +72,38 @@ def test_logits_at_or_below_zero_clip_nothing_and_give_no_nan():
         assert k == "ok", msg
         assert not unchanged and n_state > 0  # the step ran
         assert finite and report.clipped_heads == {0: 0}
+
+
+def test_qk_clip_without_logits_says_so_once_and_a_source_is_read(caplog):
+    """Trainer and accelerate call step() with no arguments: QK-clip must not be silently off."""
+    import logging
+
+    from optimizer import Muon, QKClipConfig
+
+    g = torch.Generator().manual_seed(0)
+    wq, wk = (torch.nn.Parameter(torch.randn(8, 6, generator=g)) for _ in range(2))
+    opt = Muon([{"params": [wq, wk], "param_names": ["layers.0.wq.weight", "layers.0.wk.weight"], "use_muon": True}],
+               lr=0.01, qk_clip=QKClipConfig(head_dim=4, threshold=1.0))
+    for step in range(2):
+        wq.grad, wk.grad = torch.ones_like(wq), torch.ones_like(wk)
+        with caplog.at_level(logging.WARNING, logger="optimizer.muon"):
+            opt.step()
+    warnings = [r for r in caplog.records if "got no qk_logits" in r.getMessage()]
+    assert len(warnings) == 1 and "set_qk_logits_source" in warnings[0].getMessage()
+    assert opt.qk_clip_report is None
+    calls = []
+
+    def source():
+        calls.append(1)
+        return {0: torch.tensor([5.0, 0.5])}
+
+    opt.set_qk_logits_source(source)
+    opt.param_groups[0]["lr"] = 0.0  # no update, no decay: only QK-clip moves the weights
+    before = wq.detach().clone()
+    opt.step()
+    assert calls == [1] and opt.qk_clip_report.clipped_heads == {0: 1}
+    # head 0 (rows 0-3) shrinks by sqrt(threshold / logit) = sqrt(1/5); head 1 (under it) stays
+    torch.testing.assert_close(wq.detach()[:4], before[:4] * (1 / 5) ** 0.5)
+    torch.testing.assert_close(wq.detach()[4:], before[4:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="set_qk_logits_source"):
+        opt.set_qk_logits_source("not callable")

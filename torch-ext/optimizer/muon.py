@@ -142,6 +142,7 @@ class Muon(Optimizer):
             except Exception as err:  # noqa: BLE001 - re-raised after the ranks agree
                 closure_error = err
         self._follow_momentum()
+        qk_logits = self._logits_for_step(qk_logits)
         context = self._context()
         facts = context.local_facts(qk_logits, closure_error, self.settings.skip_nonfinite)
         outcome = context.agree(facts, options.digest(self.settings, self.param_groups),
@@ -160,6 +161,31 @@ class Muon(Optimizer):
                 adamw_group_step_(group, self.state)
         self.last_step_stats = muon_update(context, self.state, self.settings, facts.clip)
         return loss
+
+    def set_qk_logits_source(self, source: Callable[[], Any] | None) -> None:
+        """Where ``step()`` takes QK-clip's logits when it is called without ``qk_logits`` (as
+        Trainer and accelerate call it): ``source() -> {layer: per-query-head max logits} | None``,
+        called on every rank at every such step (a recorder such as
+        ``optimizer.integrations.huggingface.MaxLogitRecorder``; None returned: no clip this
+        step).  ``None`` removes it.  Not pickled with the optimizer: set it again after loading."""
+        if source is not None and not callable(source):
+            raise ValueError(f"Muon.set_qk_logits_source: expected a callable () -> logits or None, got {source!r}")
+        self._qk_logits_source = source
+
+    def _logits_for_step(self, qk_logits):
+        """``qk_logits``, else the source's; with QK-clip on and neither, say so (once)."""
+        source = self.__dict__.get("_qk_logits_source")
+        if qk_logits is None and source is not None:
+            return source()
+        if qk_logits is None and self.settings.qk_clip is not None and not self.__dict__.get("_warned_no_logits"):
+            self._warned_no_logits = True
+            logger.warning(
+                "Muon: QK-clip is configured but step() got no qk_logits, so nothing was clipped this step. Pass "
+                "step(qk_logits=...) every step, or give the optimizer a source it reads when step() is called "
+                "without them: opt.set_qk_logits_source(recorder) (e.g. optimizer.integrations.huggingface."
+                "MaxLogitRecorder; build_muon/MuonFactory set it up)."
+            )
+        return qk_logits
 
     def _context(self) -> StepContext:
         """The cached step context, rebuilt when what it depends on changes (``context_key``)."""
@@ -214,7 +240,7 @@ class Muon(Optimizer):
         # so that deepcopy and pickling give a working optimizer.
         state = super().__getstate__()
         state.update(settings=self.settings, group_defaults=self.group_defaults)
-        return state
+        return state  # the qk_logits source (hooks on a model) is not part of it
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Also called by torch's load_state_dict with only state/param_groups: settings already

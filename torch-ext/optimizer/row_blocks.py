@@ -9,12 +9,39 @@ How a user declares it: a Muon param group key ``"muon_row_blocks"``, whose valu
 spec for every parameter of the group or a dict ``{param_name: spec}`` (named groups).  A spec is
 
 * ``"heads:<d>"`` (or :class:`HeadBlocks(d)`): blocks of ``d`` consecutive rows (one head each);
+* ``"blocks:<r1>,<r2>,..."`` (or :class:`RowBlockSizes((r1, r2, ...))`): consecutive blocks of
+  these sizes, in order (e.g. ``"blocks:1408,1408"`` for a fused ``[gate; up]`` projection);
 * a :class:`~optimizer.attention_layouts.FusedQKV`: three blocks, the q, k and v rows, each in
   head order (what the separate ``wq``/``wk``/``wv`` would hold);
 * :class:`SplitQKV(fused, per_head=True)`: every q, k and v head its own block;
-* a callable ``(name, global_shape) -> sequence of blocks`` (slices or LongTensors of global rows
-  that partition the rows).  Callables cannot be saved in a checkpoint; the others are plain
-  picklable values.
+* a callable ``(name, shape) -> sequence of blocks`` (slices or LongTensors of global rows
+  that partition the rows).  Callables cannot be saved in a checkpoint.
+
+A 3-D weight ``[E, R, C]`` (stacked MoE experts) takes the same specs: they describe the rows of
+each expert's ``[R, C]`` matrix, and every expert is split the same way (a callable receives
+``(name, (R, C))``).
+
+**Plain forms.**  Param groups end up in ``optimizer.state_dict()``, and Hugging Face's Trainer
+reads ``optimizer.pt`` back with ``torch.load(weights_only=True)``, which refuses any class it does
+not know (``Unsupported global``).  Every spec except a callable therefore has a plain form made
+only of strings, ints and bools (:func:`spec_to_plain`; :func:`parse_spec` reads both forms, and
+the two forms of a spec compare equal after parsing, so a checkpoint written with either loads
+into an optimizer declaring the other):
+
+==========================================  ================================================
+spec                                        plain form
+==========================================  ================================================
+``HeadBlocks(64)``                          ``"heads:64"``
+``RowBlockSizes((8, 8))``                   ``"blocks:8,8"``
+``FusedQKV(8, 2, 64, "grouped")``           ``{"kind": "fused_qkv", "n_heads": 8, "n_kv_heads": 2,
+                                            "head_dim": 64, "layout": "grouped"}``
+``SplitQKV(FusedQKV(...), per_head=True)``  the same dict with ``"kind": "split_qkv"`` and
+                                            ``"per_head": True``
+==========================================  ================================================
+
+A group-level value that is such a dict is one spec for the whole group (its ``"kind"`` key tells
+it apart from a ``{param_name: spec}`` mapping).  Checkpoints written before the plain forms,
+which hold the dataclass objects, still parse (load them with ``weights_only=False``).
 
 Blocks of equal shape are orthogonalised in one batched call (``rule.orthogonalize_in_blocks``).
 The learning-rate adjustment uses each block's own shape: the rule multiplies block ``b``'s
@@ -38,6 +65,14 @@ from .attention_layouts import FusedQKV, Part
 
 ROW_BLOCKS_KEY = "muon_row_blocks"
 _HEADS_RE = re.compile(r"^heads:(\d+)$")
+_BLOCKS_RE = re.compile(r"^blocks:(\d+(?:,\d+)*)$")
+_QKV_KINDS = ("fused_qkv", "split_qkv")
+_FUSED_FIELDS = ("n_heads", "n_kv_heads", "head_dim", "layout")
+_SPEC_FORMS = (
+    "'heads:<head_dim>', 'blocks:<r1>,<r2>,...', HeadBlocks(d), RowBlockSizes((r1, ...)), FusedQKV(...), "
+    "SplitQKV(FusedQKV(...), per_head=True), their plain dicts {'kind': 'fused_qkv' | 'split_qkv', ...}, "
+    "a callable (name, shape) -> blocks, or None"
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +84,24 @@ class HeadBlocks:
     def __post_init__(self):
         if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0:
             raise ValueError(f"HeadBlocks: head_dim must be a positive int, got {self.head_dim!r}")
+
+
+@dataclass(frozen=True)
+class RowBlockSizes:
+    """Consecutive blocks of these row counts, in order (``"blocks:<r1>,<r2>,..."``).
+
+    E.g. a Hugging Face MoE ``gate_up_proj`` ``[E, 2 * I, H]`` holds each expert's gate rows then
+    its up rows: ``RowBlockSizes((I, I))`` orthogonalises them as the two matrices a dense MLP's
+    ``gate_proj`` and ``up_proj`` are.
+    """
+
+    sizes: tuple[int, ...]
+
+    def __post_init__(self):
+        sizes = tuple(self.sizes) if isinstance(self.sizes, (tuple, list)) else None
+        if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+            raise ValueError(f"RowBlockSizes: sizes must be a non-empty sequence of positive ints, got {self.sizes!r}")
+        object.__setattr__(self, "sizes", sizes)
 
 
 @dataclass(frozen=True)
@@ -74,7 +127,10 @@ class BlockClass:
 
 @dataclass(eq=False)
 class RowBlocks:
-    """A partition of a weight's rows into blocks, grouped by shape for batching."""
+    """A partition of a weight's rows into blocks, grouped by shape for batching.
+
+    For a 3-D ``[E, R, C]`` weight it partitions the ``R`` rows of every expert's matrix.
+    """
 
     num_rows: int
     blocks: tuple  # of slice | LongTensor, in declaration order
@@ -92,30 +148,99 @@ class RowBlocks:
         return self._on_device[key]
 
 
+def is_plain_qkv_spec(value) -> bool:
+    """True for the plain dict form of a ``FusedQKV`` / ``SplitQKV`` spec (it has a ``"kind"`` key
+    naming one), as opposed to a ``{param_name: spec}`` mapping."""
+    return isinstance(value, Mapping) and value.get("kind") in _QKV_KINDS
+
+
+def _parse_plain_qkv(spec: Mapping, where: str):
+    kind = spec["kind"]
+    allowed = {"kind", *_FUSED_FIELDS} | ({"per_head"} if kind == "split_qkv" else set())
+    required = {"kind", *_FUSED_FIELDS}
+    keys = set(spec)
+    if not required <= keys <= allowed:
+        raise ValueError(
+            f"{where}: {ROW_BLOCKS_KEY} spec {dict(spec)!r} is a plain {kind!r} spec but its keys are "
+            f"{sorted(keys)}; it needs {sorted(required)}" + (" and may have 'per_head'" if kind == "split_qkv" else "")
+        )
+    try:
+        fused = FusedQKV(*(spec[k] for k in _FUSED_FIELDS))
+    except ValueError as err:
+        raise ValueError(f"{where}: {ROW_BLOCKS_KEY} spec {dict(spec)!r}: {err}") from None
+    if kind == "fused_qkv":
+        return fused
+    per_head = spec.get("per_head", False)
+    if not isinstance(per_head, bool):
+        raise ValueError(f"{where}: {ROW_BLOCKS_KEY} spec {dict(spec)!r}: per_head must be True or False")
+    return SplitQKV(fused, per_head=per_head)
+
+
 def parse_spec(spec, where: str):
-    """Normalise a user spec (see the module docstring); None means "whole matrix"."""
-    if spec is None or isinstance(spec, (HeadBlocks, SplitQKV, FusedQKV)) or callable(spec):
+    """Normalise a user spec, in either form (see the module docstring); None means "whole matrix".
+
+    Returns None, a :class:`HeadBlocks`, :class:`RowBlockSizes`, ``FusedQKV``, :class:`SplitQKV`
+    or the callable itself, so that the plain and the object form of one spec compare equal.
+    """
+    if spec is None or isinstance(spec, (HeadBlocks, RowBlockSizes, SplitQKV, FusedQKV)):
         return spec
     if isinstance(spec, str):
-        m = _HEADS_RE.match(spec.strip())
+        text = spec.strip()
+        m = _HEADS_RE.match(text)
         if m and int(m.group(1)) > 0:
             return HeadBlocks(int(m.group(1)))
+        m = _BLOCKS_RE.match(text)
+        if m and all(int(s) > 0 for s in m.group(1).split(",")):
+            return RowBlockSizes(tuple(int(s) for s in m.group(1).split(",")))
+    elif is_plain_qkv_spec(spec):
+        return _parse_plain_qkv(spec, where)
+    elif callable(spec) and not isinstance(spec, Mapping):
+        return spec
+    raise ValueError(f"{where}: {ROW_BLOCKS_KEY} spec {spec!r} is not understood; use {_SPEC_FORMS}")
+
+
+def spec_to_plain(spec, where: str = "spec_to_plain"):
+    """The plain form of a spec (strings, ints and bools only), which ``torch.load(weights_only=True)``
+    reads: ``HeadBlocks(16) -> "heads:16"``, ``RowBlockSizes((8, 8)) -> "blocks:8,8"``, ``FusedQKV`` /
+    ``SplitQKV`` -> a small dict (module docstring).  None stays None; a callable raises
+    ``ValueError``: it cannot be saved, pass it again when loading."""
+    spec = parse_spec(spec, where)
+    if spec is None:
+        return None
+    if isinstance(spec, HeadBlocks):
+        return f"heads:{spec.head_dim}"
+    if isinstance(spec, RowBlockSizes):
+        return "blocks:" + ",".join(str(s) for s in spec.sizes)
+    if isinstance(spec, (FusedQKV, SplitQKV)):
+        fused = spec if isinstance(spec, FusedQKV) else spec.fused
+        plain = {"kind": "fused_qkv" if isinstance(spec, FusedQKV) else "split_qkv",
+                 **{k: getattr(fused, k) for k in _FUSED_FIELDS}}
+        if isinstance(spec, SplitQKV):
+            plain["per_head"] = bool(spec.per_head)
+        return plain
     raise ValueError(
-        f"{where}: {ROW_BLOCKS_KEY} spec {spec!r} is not understood; use 'heads:<head_dim>', HeadBlocks(d), "
-        "FusedQKV(...), SplitQKV(FusedQKV(...), per_head=True), a callable (name, shape) -> blocks, or None"
+        f"{where}: a callable {ROW_BLOCKS_KEY} spec ({spec!r}) has no plain form and cannot be saved in a "
+        "checkpoint; use a 'heads:'/'blocks:' string or a FusedQKV/SplitQKV, or pass the callable again when loading"
     )
+
+
+def row_blocks_to_plain(group_value, where: str = ROW_BLOCKS_KEY):
+    """A group's ``muon_row_blocks`` value (one spec, or ``{param_name: spec}``) in plain form."""
+    if isinstance(group_value, Mapping) and not is_plain_qkv_spec(group_value):
+        return {name: spec_to_plain(v, f"{where} '{name}'") for name, v in group_value.items()}
+    return spec_to_plain(group_value, where)
 
 
 def spec_for(group_value, name: str, where: str):
     """The spec for one parameter from a group's ``muon_row_blocks`` value (spec or {name: spec})."""
-    if isinstance(group_value, Mapping):
+    if isinstance(group_value, Mapping) and not is_plain_qkv_spec(group_value):
         return parse_spec(group_value.get(name), f"{where} '{name}'")
     return parse_spec(group_value, f"{where} '{name}'")
 
 
 def check_group_row_blocks(group_value, names: Sequence[str], where: str) -> None:
     """A dict value must only name parameters of the group (a typo would silently not split)."""
-    if isinstance(group_value, Mapping):
+    if isinstance(group_value, Mapping) and not is_plain_qkv_spec(group_value):
         unknown = [k for k in group_value if k not in set(names)]
         if unknown:
             raise ValueError(
@@ -133,8 +258,9 @@ def row_blocks_mismatch(saved_value, live_value, names: Sequence[str], where: st
 
     Row blocks change what Muon computes but not the shape of any state, so a checkpoint written
     with other blocks would load without complaint and go on orthogonalising differently.  Specs
-    are compared per parameter after normalising (``"heads:64"`` equals ``HeadBlocks(64)``); a
-    checkpoint without the key declared none.
+    are compared per parameter after normalising (``"heads:64"`` equals ``HeadBlocks(64)``, a
+    plain ``{"kind": "fused_qkv", ...}`` dict equals its ``FusedQKV``); a checkpoint without the
+    key declared none.
     """
     for name in names:
         saved = spec_for(saved_value, name, f"checkpoint {where}")
@@ -150,22 +276,35 @@ def row_blocks_mismatch(saved_value, live_value, names: Sequence[str], where: st
 
 def resolve_row_blocks(spec, name: str, global_shape: Sequence[int]) -> RowBlocks | None:
     """The row blocks of one weight (None: orthogonalise the whole matrix).  Pure; raises
-    ``ValueError`` naming ``name`` when the spec does not fit the shape."""
+    ``ValueError`` naming ``name`` when the spec does not fit the shape.
+
+    ``global_shape`` is ``[R, C]``, or ``[E, R, C]`` for stacked experts: then the blocks partition
+    the ``R`` rows of each expert's matrix (the spec resolves on the last two dims).
+    """
     spec = parse_spec(spec, f"'{name}'")
     if spec is None:
         return None
     shape = tuple(int(s) for s in global_shape)
-    if len(shape) != 2:
+    if len(shape) not in (2, 3):
         raise ValueError(
-            f"'{name}': {ROW_BLOCKS_KEY} needs a 2-D weight [out, in], got shape {list(shape)} (3-D expert "
-            "weights are already orthogonalised per expert)"
+            f"'{name}': {ROW_BLOCKS_KEY} needs a 2-D weight [out, in] or a 3-D stack of expert weights "
+            f"[E, out, in], got shape {list(shape)}"
         )
-    rows = shape[0]
+    matrix = shape[-2:]
+    rows = matrix[0]
     if isinstance(spec, HeadBlocks):
         if rows % spec.head_dim:
             raise ValueError(f"'{name}' has {rows} rows, not a multiple of the block size {spec.head_dim} "
                              f"({ROW_BLOCKS_KEY}='heads:{spec.head_dim}')")
         blocks = [slice(s, s + spec.head_dim) for s in range(0, rows, spec.head_dim)]
+    elif isinstance(spec, RowBlockSizes):
+        if sum(spec.sizes) != rows:
+            raise ValueError(
+                f"'{name}' has {rows} rows{' per expert' if len(shape) == 3 else ''} but "
+                f"{ROW_BLOCKS_KEY}='blocks:{','.join(map(str, spec.sizes))}' covers {sum(spec.sizes)}"
+            )
+        starts = [sum(spec.sizes[:i]) for i in range(len(spec.sizes))]
+        blocks = [slice(s, s + n) for s, n in zip(starts, spec.sizes)]
     elif isinstance(spec, (FusedQKV, SplitQKV)):
         fused = spec if isinstance(spec, FusedQKV) else spec.fused
         if rows != fused.num_rows:
@@ -179,7 +318,7 @@ def resolve_row_blocks(spec, name: str, global_shape: Sequence[int]) -> RowBlock
             else:
                 blocks.append(_as_block(layout.rows(part)))
     else:
-        blocks = list(spec(name, shape))
+        blocks = list(spec(name, matrix))
     return compile_blocks(blocks, rows, name)
 
 

@@ -131,29 +131,32 @@ def orthogonalize_in_blocks(
     *,
     adjust_lr_mode: str | None = None,
 ) -> Tensor:
-    """Orthogonalise each row block of a 2-D ``matrix`` as its own matrix; same-shape blocks batched.
+    """Orthogonalise each row block of a ``[R, C]`` matrix as its own matrix; same-shape blocks batched.
 
-    ``orthogonalize`` takes ``[batch, rows, cols]`` (``zeropower_via_newtonschulz`` does).  With
-    ``adjust_lr_mode`` every block's result is multiplied by :func:`block_lr_factor`, so that the
-    caller's usual ``param -= adjust_lr(lr, full_shape) * update`` gives each block its own
-    adjusted lr.  Returns a tensor of ``matrix``'s shape in ``orthogonalize``'s output dtype.
+    ``matrix`` may also be a batch ``[..., R, C]`` of matrices split alike (stacked experts): every
+    matrix's blocks go into the same batched calls.  ``orthogonalize`` takes ``[batch, rows, cols]``
+    (``zeropower_via_newtonschulz`` does).  With ``adjust_lr_mode`` every block's result is
+    multiplied by :func:`block_lr_factor`, so that the caller's usual ``param -= adjust_lr(lr,
+    full_shape) * update`` gives each block its own adjusted lr.  Returns a tensor of ``matrix``'s
+    shape in ``orthogonalize``'s output dtype.
     """
-    if matrix.ndim != 2:
-        raise ValueError(f"orthogonalize_in_blocks: expected a 2-D matrix, got shape {tuple(matrix.shape)}")
+    if matrix.ndim < 2:
+        raise ValueError(f"orthogonalize_in_blocks: expected a matrix [..., R, C], got shape {tuple(matrix.shape)}")
+    lead, (num_rows, cols) = tuple(matrix.shape[:-2]), matrix.shape[-2:]
     if not isinstance(blocks, RowBlocks):
-        blocks = compile_blocks(blocks, matrix.shape[0])
-    if blocks.num_rows != matrix.shape[0]:
-        raise ValueError(f"orthogonalize_in_blocks: blocks cover {blocks.num_rows} rows, the matrix has {matrix.shape[0]}")
+        blocks = compile_blocks(blocks, num_rows)
+    if blocks.num_rows != num_rows:
+        raise ValueError(f"orthogonalize_in_blocks: blocks cover {blocks.num_rows} rows, the matrix has {num_rows}")
     out = None
     for cls, rows in zip(blocks.classes, blocks.class_rows(matrix.device)):
-        x = matrix.index_select(0, rows).view(cls.count, cls.rows_per_block, matrix.shape[1])
-        y = orthogonalize(x)
-        factor = block_lr_factor(cls.rows_per_block, matrix.shape, adjust_lr_mode)
+        x = matrix.index_select(-2, rows).view(*lead, cls.count, cls.rows_per_block, cols)
+        y = orthogonalize(x.reshape(-1, cls.rows_per_block, cols))
+        factor = block_lr_factor(cls.rows_per_block, (num_rows, cols), adjust_lr_mode)
         if factor != 1.0:
             y = y * factor
         if out is None:
             out = torch.empty(matrix.shape, dtype=y.dtype, device=matrix.device)
-        out.index_copy_(0, rows, y.reshape(-1, matrix.shape[1]))
+        out.index_copy_(matrix.ndim - 2, rows, y.reshape(*lead, -1, cols))
     return out
 
 
@@ -166,13 +169,8 @@ class InBlocks:
     adjust_lr_mode: str | None
 
     def __call__(self, x: Tensor) -> Tensor:
-        if x.ndim == 2:
-            return orthogonalize_in_blocks(x, self.blocks, self.orthogonalize, adjust_lr_mode=self.adjust_lr_mode)
-        # a batch of this one parameter's matrices (the runtime batches by parameter)
-        flat = x.reshape(-1, *x.shape[-2:])
-        out = [orthogonalize_in_blocks(m, self.blocks, self.orthogonalize, adjust_lr_mode=self.adjust_lr_mode)
-               for m in flat]
-        return torch.stack(out).view(x.shape)
+        # x: one matrix, or a batch of this one parameter's matrices (its experts, split alike)
+        return orthogonalize_in_blocks(x, self.blocks, self.orthogonalize, adjust_lr_mode=self.adjust_lr_mode)
 
 
 # ---------------------------------------------------------------------------- one parameter's step
