@@ -60,10 +60,12 @@ def qk_logits_for(specs, step, threshold):
     return logits
 
 
-def build_groups(named):
+def build_groups(named, muon_group=None):
+    """A Muon group of the matrices (with ``muon_group``'s extra keys) and an AdamW group of the rest."""
     muon = [(n, p) for n, p in named if p.dim() >= 2]
     adamw = [(n, p) for n, p in named if p.dim() < 2]
-    groups = [{"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True}]
+    groups = [{"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True,
+               **(muon_group or {})}]
     if adamw:
         groups.append({"params": [p for _, p in adamw], "param_names": [n for n, _ in adamw], "use_muon": False})
     return groups
@@ -77,23 +79,35 @@ def _has_attention(specs) -> bool:
     return any(".wq." in name for name, _, _ in specs)
 
 
-def run_reference(specs, steps, qk, threshold=1.0, seed=0, **kw):
-    """Single-device Muon on plain tensors."""
+def _state_of(opt, named):
+    """Every parameter's optimizer state by name and key, full tensors (collective for DTensors)."""
+    out = {}
+    for n, p in named:
+        out[n] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                  for k, v in opt.state.get(p, {}).items() if torch.is_tensor(v) and v.dim() > 0}
+    return out
+
+
+def run_reference(specs, steps, qk, threshold=1.0, seed=0, muon_group=None, with_state=False, **kw):
+    """Single-device Muon on plain tensors (and, ``with_state``, its state by name)."""
     qk = qk and _has_attention(specs)
     params, grads = make_case_tensors(specs, steps, seed)
     named = [(n, torch.nn.Parameter(params[n].clone())) for n, _, _ in specs]
-    opt = Muon(build_groups(named), qk_clip=QKClipConfig(head_dim=HEAD_DIM, threshold=threshold) if qk else None,
-               **{**OPT_KW, **kw})
+    opt = Muon(build_groups(named, muon_group), **{**OPT_KW, **kw},
+               qk_clip=QKClipConfig(head_dim=HEAD_DIM, threshold=threshold) if qk else None)
     for s in range(steps):
         for n, p in named:
             p.grad = grads[s][n].clone()
         opt.step(qk_logits=qk_logits_for(specs, s, threshold) if qk else None)
-    return {n: p.detach().clone() for n, p in named}
+    fulls = {n: p.detach().clone() for n, p in named}
+    return (fulls, _state_of(opt, named)) if with_state else fulls
 
 
-def run_distributed(rank, world_size, mesh_shape, specs, steps, qk, threshold=1.0, seed=0, with_stats=False, **kw):
-    """The same run with DTensor params; returns each param's full tensor (on every rank),
-    and with ``with_stats`` also the last step's pipeline stats."""
+def run_distributed(rank, world_size, mesh_shape, specs, steps, qk, threshold=1.0, seed=0, with_stats=False,
+                    muon_group=None, with_state=False, inspect=None, **kw):
+    """The same run with DTensor params; returns each param's full tensor (on every rank), with
+    ``with_stats`` also the last step's pipeline stats, with ``with_state`` its state's full
+    tensors by name, and with ``inspect`` what ``inspect(opt, named, mesh)`` returns."""
     qk = qk and _has_attention(specs)
     mesh = init_device_mesh("cpu", mesh_shape)
     params, grads = make_case_tensors(specs, steps, seed)
@@ -101,14 +115,21 @@ def run_distributed(rank, world_size, mesh_shape, specs, steps, qk, threshold=1.
     for n, _, pl in specs:
         placements = [parse_placement(x) for x in pl]
         named.append((n, torch.nn.Parameter(to_dtensor(params[n], mesh, placements))))
-    opt = Muon(build_groups(named), qk_clip=QKClipConfig(head_dim=HEAD_DIM, threshold=threshold) if qk else None,
-               **{**OPT_KW, **kw})
+    opt = Muon(build_groups(named, muon_group), **{**OPT_KW, **kw},
+               qk_clip=QKClipConfig(head_dim=HEAD_DIM, threshold=threshold) if qk else None)
     for s in range(steps):
         for (n, p), (_, _, pl) in zip(named, specs):
             p.grad = to_dtensor(grads[s][n], mesh, p.placements)
         opt.step(qk_logits=qk_logits_for(specs, s, threshold) if qk else None)
     fulls = {n: p.full_tensor().detach() for n, p in named}
-    return (fulls, opt.last_step_stats) if with_stats else fulls
+    out = [fulls]
+    if with_stats:
+        out.append(opt.last_step_stats)
+    if with_state:
+        out.append(_state_of(opt, named))
+    if inspect is not None:
+        out.append(inspect(opt, named, mesh))
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def outcome(fn):

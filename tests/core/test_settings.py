@@ -40,11 +40,13 @@ CONSTRUCTOR_ALTERNATIVES = {
     "adamw_betas": (0.8, 0.9), "maximize": True, "eps": 1e-6, "compute_dtype": torch.float64,
     "qk_clip": QKClipConfig(head_dim=4, threshold=1e9), "distributed_mode": "gather", "chunk_size": 1,
     "lookahead": 2, "replica_split": "never", "replica_split_flops_per_byte": 7.0, "skip_nonfinite": True,
+    "normuon_beta2": 0.9, "cautious_wd": True, "momentum_dtype": torch.bfloat16,
 }
 GROUP_ALTERNATIVES = {
     "lr": 0.03, "weight_decay": 0.2, "momentum": 0.9, "nesterov": False, "ns_steps": 4,
     "ns_coefficients": "polar_express", "ns_method": "classic", "adjust_lr": "original", "eps": 1e-6,
     "betas": (0.8, 0.9), "maximize": True, "muon_row_blocks": "heads:2",
+    "normuon_beta2": 0.9, "cautious_wd": True, "momentum_dtype": torch.bfloat16,
 }
 
 
@@ -201,14 +203,45 @@ def test_a_refused_param_group_leaves_the_optimizer_as_it_was():
     w, b = _net()
     opt = Muon([{"params": [w], "use_muon": True}])
     before = [dict(g) for g in opt.param_groups]
-    for bad in ({"params": [b], "use_muon": False, "betas": (0.9, 2.0)},
-                {"params": [torch.nn.Parameter(torch.ones(3, 3))], "use_muon": True, "momentum": 2.0},
-                {"params": [torch.nn.Parameter(torch.ones(3, 3))], "use_muon": True, "muon_row_blocks": "heads:2"}):
-        with pytest.raises(ValueError):
+    matrix = torch.nn.Parameter(torch.ones(3, 3))
+    for bad, option in (({"params": [b], "use_muon": False, "betas": (0.9, 2.0)}, "betas"),
+                        ({"params": [matrix], "use_muon": True, "momentum": 2.0}, "momentum"),
+                        ({"params": [matrix], "use_muon": True, "muon_row_blocks": "heads:2"}, "muon_row_blocks"),
+                        ({"params": [matrix], "use_muon": True, "normuon_beta2": 1.0}, "normuon_beta2"),
+                        ({"params": [matrix], "use_muon": True, "normuon_beta2": math.nan}, "normuon_beta2"),
+                        ({"params": [b], "use_muon": False, "cautious_wd": 1}, "cautious_wd"),
+                        ({"params": [matrix], "use_muon": True, "momentum_dtype": torch.int8}, "momentum_dtype")):
+        with pytest.raises(ValueError, match=option):
             opt.add_param_group(bad)
         assert len(opt.param_groups) == 1 and opt.param_groups[0].keys() == before[0].keys()
     opt.add_param_group({"params": [b], "use_muon": False})  # the parameter of a refused group can be added
     assert len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize("option, bad", [
+    ("normuon_beta2", 1.0), ("normuon_beta2", -0.1), ("normuon_beta2", math.nan), ("normuon_beta2", "0.9"),
+    ("normuon_beta2", True), ("cautious_wd", 1), ("cautious_wd", "yes"), ("cautious_wd", None),
+    ("momentum_dtype", torch.int32), ("momentum_dtype", "int8"), ("momentum_dtype", "bfloat"),
+    ("momentum_dtype", torch.complex64),
+])
+def test_bad_variant_values_are_refused_naming_the_option(option, bad):
+    with pytest.raises(ValueError, match=f"`{option}`"):
+        Muon([{"params": [_net()[0]], "use_muon": True}], **{option: bad})
+    with pytest.raises(ValueError, match=rf"param_groups\[0\] {option}`"):
+        Muon([{"params": [_net()[0]], "use_muon": True, option: bad}])
+
+
+def test_variant_values_accepted_and_normalised():
+    w, b = _net()
+    opt = Muon([{"params": [w], "use_muon": True, "momentum_dtype": "torch.bfloat16"},
+                {"params": [b], "use_muon": False}], normuon_beta2=0.0, cautious_wd=True, momentum_dtype="float32")
+    assert opt.param_groups[0]["momentum_dtype"] == torch.bfloat16 and opt.group_defaults["muon"]["momentum_dtype"] == torch.float32
+    assert opt.param_groups[0]["normuon_beta2"] == 0.0 and opt.param_groups[1]["cautious_wd"] is True
+    # the same option given as a dtype or by name is the same setting for the ranks' agreement
+    other = Muon([{"params": [_net()[0]], "use_muon": True, "momentum_dtype": torch.bfloat16},
+                  {"params": [_net()[1]], "use_muon": False}], normuon_beta2=0.0, cautious_wd=True,
+                 momentum_dtype=torch.float32)
+    assert settings.digest(opt.settings, opt.param_groups) == settings.digest(other.settings, other.param_groups)
 
 
 def test_an_optimizer_pickled_before_the_settings_record_still_loads():

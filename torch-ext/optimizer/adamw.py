@@ -17,6 +17,9 @@ torch.optim.AdamW makes:
   mixed-precision reductions): torch's kernels refuse the mix ("expected dtype float for
   `end`"), so such gradients are upcast to the parameter's dtype first; the moments then live
   in the parameter's dtype, as they would for fp32 gradients.
+* cautious weight decay (``cautious_wd``, arXiv 2510.12402): torch's kernels cannot mask their
+  decay, so a cautious group with weight decay runs :func:`cautious_adamw_step_` (the same
+  arithmetic, written out on each local piece); every other group stays torch's kernel.
 * ``torch.compile`` of a step: dynamo traces torch.optim's optimizers with ``capturable=True``
   (torch/_dynamo/variables/optimizer.py sets it on every traced group), because the
   non-capturable foreach path turns the CPU step counts into a stacked tensor of step sizes
@@ -157,11 +160,53 @@ def _implementation(params, steps, foreach, fused, tensor_lr: bool, compiling: b
     return use_foreach, use_fused
 
 
+def cautious_adamw_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    state_steps: Sequence[Tensor],
+    *,
+    lr: float | Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    maximize: bool = False,
+) -> None:
+    """AdamW with cautious weight decay, in place: the moments and the step as torch.optim.AdamW
+    computes them, and the decoupled decay ``p -= lr * wd * p`` only where ``p`` and the Adam step
+    ``m_hat / (sqrt(v_hat) + eps)`` have the same sign (the step is subtracted, so decay and update
+    then pull the same way).  The step's sign is that of ``exp_avg`` (the bias correction and the
+    denominator are positive).  Elementwise, so it runs on each DTensor's local piece; no host
+    read (the step count and a tensor ``lr`` stay tensors).
+    """
+    _check_lr_and_maximize(lr, maximize)
+    beta1, beta2 = betas
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps):
+        p, g, m, v = (t._local_tensor if is_dtensor(t) else t for t in (p, g, m, v))
+        g = g if g.dtype == p.dtype else g.to(p.dtype)
+        if maximize:
+            g = -g
+        step += 1
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        wide = torch.promote_types(p.dtype, torch.float32)
+        t = step.to(device=p.device, dtype=wide)
+        bias1, bias2_sqrt = 1 - beta1 ** t, (1 - beta2 ** t).sqrt()
+        denom = (v.sqrt() / bias2_sqrt).add_(eps)
+        lr_t = lr.to(device=p.device, dtype=wide) if isinstance(lr, Tensor) else lr
+        keep = 1 - lr_t * weight_decay
+        keep = keep if isinstance(keep, Tensor) else torch.tensor(keep, dtype=wide, device=p.device)
+        p.mul_(torch.where(p * m >= 0, keep, torch.ones((), dtype=wide, device=p.device)))
+        step_size = lr_t / bias1
+        p.sub_(m / denom * step_size)
+
+
 def adamw_group_step_(group: Mapping, state: MutableMapping) -> None:
     """One AdamW step for the parameters of ``group`` (a Muon group with ``use_muon=False``).
 
-    Reads ``lr`` (float or 1-element Tensor), ``betas``, ``eps``, ``weight_decay`` and
-    ``maximize`` (False when the group has none) from the group, skips parameters without a
+    Reads ``lr`` (float or 1-element Tensor), ``betas``, ``eps``, ``weight_decay``,
+    ``maximize`` and ``cautious_wd`` (False when the group has none) from the group, skips parameters without a
     gradient, and creates missing state in ``state`` (the optimizer's per-parameter state)
     lazily, as torch.optim.AdamW does.
     """
@@ -172,7 +217,8 @@ def adamw_group_step_(group: Mapping, state: MutableMapping) -> None:
     states = [state.setdefault(p, {}) for p in params]
     for p, st in zip(params, states):
         init_adamw_state_(st, p)
-    adamw_step_(
+    cautious = group.get("cautious_wd", False) and group["weight_decay"] != 0
+    (cautious_adamw_step_ if cautious else adamw_step_)(
         params,
         [p.grad for p in params],
         [st["exp_avg"] for st in states],

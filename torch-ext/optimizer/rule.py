@@ -5,18 +5,27 @@ One Muon step for a weight ``W`` with gradient ``G`` (KellerJordan/Muon; torch.o
     B <- mu B + (1 - mu) G                         momentum, an EMA        every local piece
     X <- (1 - mu) G + mu B   (Nesterov)   or  B    what is orthogonalised  every local piece
     O <- NS(X)                                     Newton–Schulz           the owner, whole matrices
+    v <- beta2 v + (1 - beta2) mean_j O_ij^2       NorMuon (optional)      the owner, one value per row
+    O <- O / (sqrt(v) + 1e-8) * ||O||_F / ||.||_F
     W <- W (1 - lr wd) - adjust_lr(lr, shape) O    decoupled weight decay  every local piece
+         (cautious: decay only where W O >= 0)
     W[rows of head h] *= gamma_h ** (1/2 or 1)     QK-clip (MuonClip)      every local piece
 
 ``maximize`` negates G first.  Newton–Schulz runs on each matrix of a 3-D expert stack
 ``[E, out, in]``, and on each declared row block of a fused weight (``row_blocks.py``), each
-block with the learning rate adjusted for its own shape.
+block with the learning rate adjusted for its own shape.  The variants are data of a step, not
+branches of the runtime: NorMuon is part of the owner's stage (per matrix, per expert, per row
+block, before a block's lr factor), its per-row state ``v`` travels with the rows of the pieces
+(``row_state_into`` / the owner stage's second argument / ``apply_update``'s), cautious weight
+decay is part of ``apply_update``, and a narrower momentum buffer (``momentum_dtype``) only
+changes where the momentum is stored: every stage computes in the wider dtype.
 
 Everything elementwise works unchanged on a local shard, so momentum, weight decay, the update
 and QK-clip run where the pieces are; only Newton–Schulz needs whole matrices.  The parallel
 runtime (``parallel/runtime.py``) moves the pieces and calls a :class:`MatrixStep`'s stages:
-``input_into`` (a piece of X), ``orthogonalize`` (the owner's stage), ``apply_update`` and
-``scale_rows``.  The single-device path and the gather baseline call the same stages.
+``input_into`` (a piece of X), ``row_state_into`` (its rows of v), ``orthogonalize`` (the owner's
+stage), ``apply_update`` and ``scale_rows``.  The single-device path and the gather baseline call
+the same stages.
 """
 
 from __future__ import annotations
@@ -61,44 +70,115 @@ def adjust_lr(lr: float, shape: Sequence[int], mode: str | None) -> float:
     )
 
 
-def momentum_(bufs: list[Tensor], grads: list[Tensor], momentum: float, maximize: bool = False) -> list[Tensor]:
-    """``B <- momentum * B + (1 - momentum) * G`` for every local piece (one foreach call).
+def momentum_(bufs: list[Tensor], grads: list[Tensor], momentum: float, maximize: bool = False,
+              dtypes: Sequence[torch.dtype] | None = None) -> list[Tensor]:
+    """``B <- momentum * B + (1 - momentum) * G`` for every local piece.
 
-    Returns the gradients as the momentum saw them (in the buffer's dtype, negated when
-    maximising): the Nesterov input (:func:`nesterov_input_`) mixes the same values in.
+    ``dtypes``: the arithmetic dtype of each buffer (None: the buffer's own).  Buffers kept in
+    their arithmetic dtype take one foreach call; a narrower buffer (``momentum_dtype=bfloat16``
+    for fp32 parameters) is read into the arithmetic dtype, updated there and rounded once when
+    stored.  Returns the gradients as the momentum saw them (in the arithmetic dtype, negated
+    when maximising): the Nesterov input (:func:`nesterov_input_`) mixes the same values in.
     """
-    gs = [g if g.dtype == b.dtype else g.to(b.dtype) for g, b in zip(grads, bufs)]  # bf16 grads of fp32 params
+    dtypes = [b.dtype for b in bufs] if dtypes is None else list(dtypes)
+    gs = [g if g.dtype == d else g.to(d) for g, d in zip(grads, dtypes)]  # bf16 grads of fp32 params
     if maximize:
         gs = torch._foreach_neg(gs)
-    torch._foreach_lerp_(bufs, gs, 1 - momentum)
+    same = [i for i, (b, d) in enumerate(zip(bufs, dtypes)) if b.dtype == d]
+    if same:
+        torch._foreach_lerp_([bufs[i] for i in same], [gs[i] for i in same], 1 - momentum)
+    for i, (b, d) in enumerate(zip(bufs, dtypes)):
+        if b.dtype != d:  # stored narrower than it is computed
+            b.copy_(b.to(d).lerp_(gs[i], 1 - momentum))
     return gs
 
 
 def nesterov_input_(out: Tensor, grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
     """``out`` <- what Newton–Schulz orthogonalises: ``grad.lerp(buf, momentum)`` with Nesterov
-    (``(1 - mu) G + mu B``, looking one step ahead), else the momentum ``B`` itself."""
+    (``(1 - mu) G + mu B``, looking one step ahead), else the momentum ``B`` itself; computed in
+    the wider of ``grad``'s and ``buf``'s dtypes (a bf16 buffer is read as it is stored)."""
     if not nesterov:
         return out.copy_(buf)
-    if grad.dtype != buf.dtype:  # e.g. bf16 gradients of fp32 parameters
-        grad = grad.to(buf.dtype)
+    if grad.dtype != buf.dtype:  # a narrower buffer (momentum_dtype), or bf16 gradients
+        wide = torch.promote_types(grad.dtype, buf.dtype)
+        grad, buf = grad.to(wide), buf.to(wide)
     return torch.lerp(grad, buf, momentum, out=out)
 
 
+def decay_factor(param: Tensor, update: Tensor, lr: float | Tensor, weight_decay: float) -> Tensor:
+    """Cautious weight decay's per-element factor: ``1 - lr * wd`` where ``param * update >= 0``
+    (the parameter and the step it takes, ``-update``, point opposite ways: decay and update agree
+    in direction), ``1`` elsewhere (dion's mask ``min(sign(W U) + 1, 1)``; arXiv 2510.12402)."""
+    dtype = torch.promote_types(param.dtype, torch.float32)  # as mul_ by a Python scalar computes
+    keep = 1 - lr * weight_decay
+    keep = keep.to(device=param.device, dtype=dtype) if isinstance(keep, Tensor) else \
+        torch.tensor(keep, dtype=dtype, device=param.device)
+    return torch.where(param * update >= 0, keep, torch.ones((), dtype=dtype, device=param.device))
+
+
 def apply_update_(
-    param: Tensor, update: Tensor, lr: float | Tensor, adjusted_lr: float | Tensor, weight_decay: float
+    param: Tensor, update: Tensor, lr: float | Tensor, adjusted_lr: float | Tensor, weight_decay: float,
+    cautious: bool = False,
 ) -> None:
     """Decoupled weight decay with the *unadjusted* lr, then ``param -= adjusted_lr * update``.
 
     Weight decay uses ``lr`` (not ``adjusted_lr``) exactly as torch.optim.Muon does. ``update``
     may be in a lower precision than ``param`` (bf16 NS output); ``add_`` promotes it.  ``lr``
     may be a 0-d tensor (schedulers, compiled steps): it is used as a tensor, never read.
+    ``cautious``: decay only where ``param * update >= 0`` (:func:`decay_factor`), with
+    ``update`` the direction actually applied (after NorMuon and a row block's lr factor: both
+    positive scalings per row or block, so the sign is that of the orthogonalised update).
     """
-    if weight_decay != 0:
+    if weight_decay != 0 and cautious:
+        param.mul_(decay_factor(param, update, lr, weight_decay))
+    elif weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
     if isinstance(adjusted_lr, Tensor):
         param.addcmul_(update, adjusted_lr.to(param.dtype), value=-1)
     else:
         param.add_(update, alpha=-adjusted_lr)
+
+
+# ---------------------------------------------------------------------------- NorMuon
+
+NORMUON_EPS = 1e-8  # dion's _normuon_normalization_core: 1e-8 in the denominator and as the norm floor
+
+
+def normuon_normalize(o: Tensor, v: Tensor, beta2: float) -> tuple[Tensor, Tensor]:
+    """NorMuon's normalisation of orthogonalised matrices ``o`` ``[..., R, C]`` (each matrix of
+    the batch on its own) with their per-row second moments ``v`` ``[..., R, 1]``:
+
+        v <- beta2 v + (1 - beta2) mean_j(O_ij^2)
+        Ô = O / (sqrt(v) + 1e-8);   Ô <- Ô ||O||_F / max(||Ô||_F, 1e-8)
+
+    computed in ``v``'s dtype (fp32 state).  Returns ``(Ô, v_new)`` (dion ``normuon.py``;
+    arXiv 2510.05491).
+    """
+    o = o.to(v.dtype)
+    norm = torch.linalg.vector_norm(o, dim=(-2, -1), keepdim=True)
+    v = torch.lerp(v, (o * o).mean(dim=-1, keepdim=True), 1 - beta2)
+    hat = o / (v.sqrt() + NORMUON_EPS)
+    hat = hat * (norm / torch.linalg.vector_norm(hat, dim=(-2, -1), keepdim=True).clamp_min(NORMUON_EPS))
+    return hat, v
+
+
+def row_state_dtype(work_dtype: torch.dtype) -> torch.dtype:
+    """NorMuon's ``v``: at least fp32, and at least the momentum's arithmetic dtype (fp64 runs stay fp64)."""
+    return torch.promote_types(work_dtype, torch.float32)
+
+
+def encode_rows(v: Tensor, carrier: torch.dtype) -> Tensor:
+    """``v`` ``[..., R, 1]`` as ``[..., R, k]`` elements of ``carrier``: its bits, so that a bf16
+    wire carries fp32 state exactly (the collectives move bytes; nothing rounds them)."""
+    return v if v.dtype == carrier else v.contiguous().view(carrier)
+
+
+def decode_rows(rows: Tensor) -> Tensor:
+    """The inverse of :func:`encode_rows`: ``[..., R, k]`` carrier elements -> ``[..., R, 1]`` state
+    (a float of ``k`` carrier elements' bytes)."""
+    size = rows.shape[-1] * rows.element_size()
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[size] if rows.shape[-1] > 1 else rows.dtype
+    return rows if dtype == rows.dtype else rows.contiguous().view(dtype)
 
 
 # ---------------------------------------------------------------------------- the owner's stage
@@ -140,6 +220,14 @@ def orthogonalize_in_blocks(
     full_shape) * update`` gives each block its own adjusted lr.  Returns a tensor of ``matrix``'s
     shape in ``orthogonalize``'s output dtype.
     """
+    return _in_blocks(matrix, blocks, orthogonalize, adjust_lr_mode, None, None)[0]
+
+
+def _in_blocks(matrix: Tensor, blocks, orthogonalize, adjust_lr_mode, v: Tensor | None, beta2: float | None):
+    """:func:`orthogonalize_in_blocks`; with NorMuon (``v`` ``[..., R, 1]``, ``beta2``) each block is
+    normalised with its rows of ``v`` after Newton–Schulz and *before* its lr factor (so ``v`` holds
+    the statistics of the orthogonalised block itself, as a separate parameter's would).
+    Returns ``(update, v_new)``."""
     if matrix.ndim < 2:
         raise ValueError(f"orthogonalize_in_blocks: expected a matrix [..., R, C], got shape {tuple(matrix.shape)}")
     lead, (num_rows, cols) = tuple(matrix.shape[:-2]), matrix.shape[-2:]
@@ -147,30 +235,58 @@ def orthogonalize_in_blocks(
         blocks = compile_blocks(blocks, num_rows)
     if blocks.num_rows != num_rows:
         raise ValueError(f"orthogonalize_in_blocks: blocks cover {blocks.num_rows} rows, the matrix has {num_rows}")
-    out = None
+    out = v_out = None
     for cls, rows in zip(blocks.classes, blocks.class_rows(matrix.device)):
         x = matrix.index_select(-2, rows).view(*lead, cls.count, cls.rows_per_block, cols)
         y = orthogonalize(x.reshape(-1, cls.rows_per_block, cols))
+        if v is not None:
+            vb = v.index_select(-2, rows).reshape(-1, cls.rows_per_block, 1)
+            hat, vb = normuon_normalize(y, vb, beta2)
+            y = hat.to(y.dtype)  # the update in Newton–Schulz's dtype, as every path sends it
+            if v_out is None:
+                v_out = torch.empty_like(v)
+            v_out.index_copy_(v.ndim - 2, rows, vb.reshape(*lead, -1, 1))
         factor = block_lr_factor(cls.rows_per_block, (num_rows, cols), adjust_lr_mode)
         if factor != 1.0:
             y = y * factor
         if out is None:
             out = torch.empty(matrix.shape, dtype=y.dtype, device=matrix.device)
         out.index_copy_(matrix.ndim - 2, rows, y.reshape(*lead, -1, cols))
-    return out
+    return out, v_out
 
 
 @dataclass(frozen=True)
-class InBlocks:
-    """The owner's stage for a weight with row blocks: each block orthogonalised on its own."""
+class OwnerStage:
+    """The owner's stage of a parameter: Newton–Schulz of whole matrices (a batch of them: its
+    experts, or several parameters of one group), per row block when the weight has blocks, then
+    NorMuon's normalisation when ``normuon_beta2`` is set.
 
-    orthogonalize: Callable[[Tensor], Tensor]
-    blocks: RowBlocks
-    adjust_lr_mode: str | None
+    ``stage(x, rows)`` returns ``(update, rows_new)``: ``rows`` is NorMuon's ``v`` of the same
+    matrices as ``[..., R, k]`` elements of a buffer (:func:`encode_rows`), and ``rows_new`` the
+    updated ``v`` in the same form (None without NorMuon).  The normalisation computes in ``v``'s
+    dtype (fp32) and the update is returned in Newton–Schulz's dtype, as Muon's is: with a bf16
+    Newton–Schulz every path (local, parallel, gather) applies the same bf16-rounded update.
+    """
 
-    def __call__(self, x: Tensor) -> Tensor:
-        # x: one matrix, or a batch of this one parameter's matrices (its experts, split alike)
-        return orthogonalize_in_blocks(x, self.blocks, self.orthogonalize, adjust_lr_mode=self.adjust_lr_mode)
+    newton_schulz: Callable[[Tensor], Tensor]
+    blocks: RowBlocks | None = None
+    adjust_lr_mode: str | None = None
+    normuon_beta2: float | None = None
+
+    def __call__(self, x: Tensor, rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        beta2 = self.normuon_beta2
+        if beta2 is not None and rows is None:
+            raise ValueError("OwnerStage: NorMuon needs the rows of v with the matrices")
+        v = decode_rows(rows) if beta2 is not None else None
+        if self.blocks is not None:
+            # x: one matrix, or a batch of this one parameter's matrices (its experts, split alike)
+            out, v = _in_blocks(x, self.blocks, self.newton_schulz, self.adjust_lr_mode, v, beta2)
+        else:
+            out = self.newton_schulz(x)
+            if v is not None:
+                hat, v = normuon_normalize(out, v, beta2)
+                out = hat.to(out.dtype)  # the update in Newton–Schulz's dtype, as every path sends it
+        return out, (None if v is None else encode_rows(v, rows.dtype))
 
 
 # ---------------------------------------------------------------------------- one parameter's step
@@ -180,7 +296,9 @@ class InBlocks:
 class MatrixStep:
     """One Muon parameter's local tensors and this step's hyper-parameters: the stages the
     runtime calls (see the module docstring).  ``grad`` is the gradient as the momentum saw it
-    (:func:`momentum_`'s return), ``buf`` the momentum already updated this step."""
+    (:func:`momentum_`'s return, in the arithmetic dtype), ``buf`` the momentum already updated
+    this step (in its storage dtype), ``row_state`` NorMuon's ``v`` for the local rows
+    (``[..., local rows, 1]``; None without NorMuon)."""
 
     param: Tensor  # local piece, updated in place
     grad: Tensor
@@ -190,13 +308,21 @@ class MatrixStep:
     lr: float | Tensor
     adjusted_lr: float | Tensor
     weight_decay: float
-    orthogonalize: Callable[[Tensor], Tensor]  # the owner's stage: NewtonSchulz or InBlocks
+    orthogonalize: OwnerStage  # the owner's stage: (x, rows) -> (update, rows)
     clip: tuple[Tensor, Tensor] | None = None  # QK-clip: (scale table, table slot of every local row)
+    row_state: Tensor | None = None  # NorMuon's v of the local rows
+    cautious: bool = False  # cautious weight decay
 
     @property
     def input_dtype(self) -> torch.dtype:
-        """The dtype a piece of X is formed in where it is stacked locally."""
-        return self.buf.dtype
+        """The dtype a piece of X is formed in where it is stacked locally: the momentum's
+        arithmetic dtype (never a narrower storage dtype of the buffer)."""
+        return torch.promote_types(self.grad.dtype, self.buf.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of state that travel with each row of a piece (NorMuon's v; 0: none)."""
+        return 0 if self.row_state is None else self.row_state.element_size()
 
     @property
     def batch_key(self) -> object:
@@ -210,8 +336,16 @@ class MatrixStep:
     def input_into(self, out: Tensor, region: tuple = ()) -> None:
         nesterov_input_(out, _region(self.grad, region), _region(self.buf, region), self.momentum, self.nesterov)
 
-    def apply_update(self, region: tuple, update: Tensor) -> None:
-        apply_update_(_region(self.param, region), update, self.lr, self.adjusted_lr, self.weight_decay)
+    def row_state_into(self, out: Tensor, region: tuple = ()) -> None:
+        """``out`` ``[..., rows, k]`` <- the piece's rows of v, as ``out``'s dtype carries them."""
+        out.copy_(encode_rows(_region(self.row_state, region), out.dtype))
+
+    def apply_update(self, region: tuple, update: Tensor, rows: Tensor | None = None) -> None:
+        """Weight decay and the update of the piece; with NorMuon, store its rows of the new v."""
+        if rows is not None and self.row_state is not None:
+            _region(self.row_state, region).copy_(decode_rows(rows))
+        apply_update_(_region(self.param, region), update, self.lr, self.adjusted_lr, self.weight_decay,
+                      self.cautious)
 
     def scale_rows(self) -> None:
         """QK-clip: scale each local row by its head's factor (2-D weights: one region, the whole piece)."""

@@ -134,6 +134,30 @@ def _compute_dtype(value, where, context) -> None:
         raise ValueError(f"Muon: `{where}` must be a floating torch.dtype or None, got {value!r}")
 
 
+def dtype_of(value: Any) -> Any:
+    """A dtype given as a ``torch.dtype`` or by name (``"bfloat16"``, ``"torch.bfloat16"``) as the
+    ``torch.dtype``; any other value as it is (for the check to refuse)."""
+    if isinstance(value, str):
+        found = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(found, torch.dtype):
+            return found
+    return value
+
+
+def _momentum_dtype(value, where, context) -> None:
+    dtype = dtype_of(value)
+    if value is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"Muon: `{where}` must be a floating torch.dtype (or its name, e.g. 'bfloat16') or None, "
+                         f"got {value!r}")
+
+
+def _normuon_beta2(value, where, context) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"Muon: `{where}` must be None (Muon) or a number in [0, 1) (NorMuon's beta2), got {value!r}")
+
+
 def _qk_clip(value, where, context) -> None:
     if value is not None and not isinstance(value, QKClipConfig):
         raise ValueError(f"Muon: `{where}` must be an optimizer.QKClipConfig or None, got {type(value).__name__}")
@@ -239,6 +263,8 @@ class GroupOption:
     # CyclicLR cycle ``betas[0]`` of every group when the defaults have it, and Muon groups cycle
     # ``momentum`` instead (AdamW groups follow it as betas[0]: see ``Muon._follow_momentum``).
     torch_default: bool = True
+    # The value as groups hold it (e.g. a dtype given by name as the torch.dtype); None: as given.
+    normalize: Callable[[Any], Any] | None = None
 
     @property
     def ctor_keyword(self) -> str:
@@ -268,6 +294,17 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
     GroupOption(ROW_BLOCKS_KEY, (MUON,), None,
                 "row blocks orthogonalised as separate matrices: one spec for the group or {param_name: spec}",
                 _row_blocks, plan=True, constructor=False),
+    GroupOption("normuon_beta2", (MUON,), None,
+                "None: Muon; a number in [0, 1): NorMuon (arXiv 2510.05491), a per-row second moment "
+                "v <- beta2 v + (1 - beta2) mean(O*O, last dim) of the orthogonalised update O (per matrix, "
+                "per expert, per row block), O / (sqrt(v) + 1e-8) rescaled to ||O||_F", _normuon_beta2, plan=True),
+    GroupOption("cautious_wd", BOTH, False,
+                "cautious weight decay (arXiv 2510.12402): decay only where the parameter and its update "
+                "have the same sign, p -= lr * wd * p * [p * update >= 0]", _boolean),
+    GroupOption("momentum_dtype", (MUON,), None,
+                "dtype of the Muon momentum buffer (None: the parameter's; torch.bfloat16 halves its "
+                "memory); the arithmetic is in the wider of it and the parameter's dtype",
+                _momentum_dtype, plan=True, normalize=dtype_of),
 )
 GROUP_OPTION = {o.name: o for o in GROUP_OPTIONS}
 
@@ -319,6 +356,8 @@ def from_constructor(options: Mapping[str, Any]) -> tuple[MuonSettings, dict[str
             continue
         value = values[o.ctor_keyword]
         o.check(value, o.ctor_keyword, values)
+        if o.normalize is not None:
+            value = o.normalize(value)
         for kind in o.kinds:
             defaults[kind][o.name] = value
     return settings, defaults
@@ -341,8 +380,16 @@ def fill_group(group: dict, group_defaults: Mapping[str, Mapping[str, Any]]) -> 
     """Fill the options of the group's kind that it does not set (before torch fills the rest)."""
     for name, value in group_defaults[kind_of(group)].items():
         group.setdefault(name, value)
+    normalize_group(group)
     if group["use_muon"]:
         group.setdefault(ROW_BLOCKS_KEY, None)
+
+
+def normalize_group(group: dict) -> None:
+    """Every option the group holds in its normal form (see ``GroupOption.normalize``)."""
+    for o in GROUP_OPTIONS:
+        if o.normalize is not None and o.name in group:
+            group[o.name] = o.normalize(group[o.name])
 
 
 def check_group(group: Mapping, where: str) -> None:
@@ -360,7 +407,8 @@ def record(settings: MuonSettings, param_groups: Sequence[Mapping]) -> dict[str,
         out[f"param_groups[{i}].use_muon"] = repr(group.get("use_muon"))
         for o in GROUP_OPTIONS:
             if o.name in group:
-                out[f"param_groups[{i}].{o.name}"] = rank_independent_repr(group[o.name])
+                value = group[o.name] if o.normalize is None else o.normalize(group[o.name])
+                out[f"param_groups[{i}].{o.name}"] = rank_independent_repr(value)
     return out
 
 

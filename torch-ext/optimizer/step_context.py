@@ -32,6 +32,7 @@ from .parallel.plan import PlanParam, PlanSettings, StepPlan, build_plan
 from .qk_clip.plan import QKClipPlan, build_qk_clip_plan
 from .qk_clip.step import ClipStep, check_layer_gradients, check_step_logits, compute_clip_step, describe_nonfinite
 from .row_blocks import ROW_BLOCKS_KEY, RowBlocks, resolve_row_blocks, spec_for
+from .rule import row_state_dtype
 from .settings import MuonSettings
 from .tensors import is_dtensor, local_view
 
@@ -191,11 +192,13 @@ class StepContext:
                 self.row_blocks[i] = blocks
                 ns_key = (e.group, e.name)  # its own orthogonalisation: never batched with others
                 cost = blocks_cost(blocks, cost)
+        work = torch.promote_types(p.dtype, options.dtype_of(group.get("momentum_dtype")) or p.dtype)
         return PlanParam(
             name=e.name, shape=tuple(p.shape), layout=layout, wire_dtype=wire_dtype(compute, p),
             device=local_view(p).device, ns_key=ns_key, cost=cost,
             mesh=p.device_mesh if layout is not None else None,
-            compute_itemsize=compute.itemsize, state_itemsize=p.dtype.itemsize,
+            compute_itemsize=compute.itemsize, state_itemsize=work.itemsize,
+            row_bytes=row_state_dtype(work).itemsize if group.get("normuon_beta2") is not None else 0,
         )
 
     def _plan(self, plan_params: list[PlanParam]) -> None:

@@ -4,6 +4,7 @@ runtime (``parallel/runtime.py``), which calls the rule's stages on every piece.
 
 from __future__ import annotations
 
+import math
 from collections.abc import MutableMapping
 
 import torch
@@ -11,10 +12,13 @@ import torch
 from .parallel.runtime import gather_everything, run_parallel_muon
 from .parallel.stats import PipelineStats
 from .qk_clip.step import ClipStep
-from .rule import InBlocks, MatrixStep, NewtonSchulz, adjust_lr, momentum_
-from .settings import MuonSettings
+from .distributed.placements import row_placements
+from .rule import MatrixStep, NewtonSchulz, OwnerStage, adjust_lr, momentum_, row_state_dtype
+from .settings import MuonSettings, dtype_of
 from .step_context import StepContext
-from .tensors import local_view
+from .tensors import is_dtensor, local_view
+
+MOMENTUM_KEY, ROW_STATE_KEY = "momentum_buffer", "normuon_v"
 
 
 def muon_update(context: StepContext, state: MutableMapping, settings: MuonSettings,
@@ -32,15 +36,65 @@ def muon_update(context: StepContext, state: MutableMapping, settings: MuonSetti
     return stats
 
 
-def momentum_buffers(params: list[torch.Tensor], state: MutableMapping) -> list[torch.Tensor]:
-    """Each parameter's momentum (created at zero on first use), as its local piece."""
+def momentum_dtype(p: torch.Tensor, group) -> torch.dtype:
+    """Where a parameter's momentum is stored: the group's ``momentum_dtype``, else the parameter's."""
+    return dtype_of(group.get("momentum_dtype")) or p.dtype
+
+
+def work_dtype(p: torch.Tensor, group) -> torch.dtype:
+    """The momentum's arithmetic dtype: the wider of the parameter's and the buffer's."""
+    return torch.promote_types(p.dtype, momentum_dtype(p, group))
+
+
+def momentum_buffers(params: list[torch.Tensor], groups, state: MutableMapping) -> list[torch.Tensor]:
+    """Each parameter's momentum (created at zero on first use, in its group's ``momentum_dtype``;
+    a buffer of another dtype, e.g. after the option changed, is converted), as its local piece."""
     bufs = []
-    for p in params:
-        entry = state[p]
-        if "momentum_buffer" not in entry:
-            entry["momentum_buffer"] = torch.zeros_like(p)  # a DTensor keeps p's placements
-        bufs.append(local_view(entry["momentum_buffer"]))
+    for p, group in zip(params, groups):
+        entry, dtype = state[p], momentum_dtype(p, group)
+        buf = entry.get(MOMENTUM_KEY)
+        if buf is None:
+            buf = entry[MOMENTUM_KEY] = torch.zeros_like(p, dtype=dtype)  # a DTensor keeps p's placements
+        elif buf.dtype != dtype:
+            buf = entry[MOMENTUM_KEY] = buf.to(dtype)
+        bufs.append(local_view(buf))
     return bufs
+
+
+def row_state_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of shape ``[..., rows, 1]`` for a parameter ``[..., rows, cols]``; for a DTensor, a
+    DTensor whose local rows are exactly the parameter's (``row_placements``), so that
+    ``state_dict()`` and DCP save, and reshard, it like the momentum."""
+    if not is_dtensor(p):
+        return torch.zeros((*p.shape[:-1], 1), dtype=dtype, device=p.device)
+    from torch.distributed.tensor import DTensor
+
+    local = local_view(p)
+    shape = (*p.shape[:-1], 1)
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return DTensor.from_local(torch.zeros((*local.shape[:-1], 1), dtype=dtype, device=local.device), p.device_mesh,
+                              row_placements(p.placements, p.dim()), run_check=False, shape=shape, stride=stride)
+
+
+def row_states(params: list[torch.Tensor], groups, state: MutableMapping) -> list[torch.Tensor | None]:
+    """NorMuon's v of each parameter whose group has ``normuon_beta2`` set (created at zero on first
+    use), as its local piece; None for the others, whose v, if any, is dropped (the state holds
+    ``normuon_v`` exactly when the group has NorMuon on)."""
+    out = []
+    for p, group in zip(params, groups):
+        entry = state[p]
+        if group.get("normuon_beta2") is None:
+            entry.pop(ROW_STATE_KEY, None)
+            out.append(None)
+            continue
+        dtype = row_state_dtype(work_dtype(p, group))
+        v = entry.get(ROW_STATE_KEY)
+        if v is None:
+            v = entry[ROW_STATE_KEY] = row_state_like(p, dtype)
+        elif v.dtype != dtype:
+            v = entry[ROW_STATE_KEY] = v.to(dtype)
+        out.append(local_view(v))
+    return out
 
 
 def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSettings,
@@ -48,28 +102,37 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
     """The momentum on every local piece (one foreach call per momentum and sign), then each
     parameter's stages with this step's hyper-parameters."""
     params, groups = context.muon_params, context.muon_groups
-    bufs = momentum_buffers(params, state)
+    bufs = momentum_buffers(params, groups, state)
+    rows = row_states(params, groups, state)
     grads = [local_view(p.grad) for p in params]
+    work = [work_dtype(p, g) for p, g in zip(params, groups)]
     signed = list(grads)
     by_momentum: dict[tuple[float, bool], list[int]] = {}
     for i, group in enumerate(groups):
         by_momentum.setdefault((group["momentum"], bool(group.get("maximize", False))), []).append(i)
     for (momentum, maximize), idx in by_momentum.items():
-        for i, g in zip(idx, momentum_([bufs[i] for i in idx], [grads[i] for i in idx], momentum, maximize)):
+        moved = momentum_([bufs[i] for i in idx], [grads[i] for i in idx], momentum, maximize, [work[i] for i in idx])
+        for i, g in zip(idx, moved):
             signed[i] = g
 
-    newton_schulz: dict[int, NewtonSchulz] = {}  # one per group: its matrices may share a batched call
+    stages: dict[int, OwnerStage] = {}  # one per group: its matrices may share a batched call
     steps = []
     for i, (p, group) in enumerate(zip(params, groups)):
-        orthogonalize = newton_schulz.setdefault(id(group), NewtonSchulz(
-            group["ns_steps"], group["ns_coefficients"], group.get("ns_method", "auto"), settings.eps,
-            settings.compute_dtype))
-        if context.row_blocks[i] is not None:
-            orthogonalize = InBlocks(orthogonalize, context.row_blocks[i], group["adjust_lr"])
+        beta2 = group.get("normuon_beta2")
+        if context.row_blocks[i] is not None:  # its own stage: never batched with other weights
+            stage = OwnerStage(_newton_schulz(group, settings), context.row_blocks[i], group["adjust_lr"], beta2)
+        else:
+            stage = stages.setdefault(id(group), OwnerStage(_newton_schulz(group, settings), normuon_beta2=beta2))
         lr = group["lr"]
         steps.append(MatrixStep(
             param=local_view(p), grad=signed[i], buf=bufs[i], momentum=group["momentum"], nesterov=group["nesterov"],
             lr=lr, adjusted_lr=adjust_lr(lr, p.shape, group["adjust_lr"]), weight_decay=group["weight_decay"],
-            orthogonalize=orthogonalize, clip=context.clip_rows(i, clip),
+            orthogonalize=stage, clip=context.clip_rows(i, clip), row_state=rows[i],
+            cautious=bool(group.get("cautious_wd", False)),
         ))
     return steps
+
+
+def _newton_schulz(group, settings: MuonSettings) -> NewtonSchulz:
+    return NewtonSchulz(group["ns_steps"], group["ns_coefficients"], group.get("ns_method", "auto"), settings.eps,
+                        settings.compute_dtype)

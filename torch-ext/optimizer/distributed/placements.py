@@ -57,6 +57,7 @@ __all__ = [
     "local_indices",
     "numel_for_rank",
     "numel_of_indices",
+    "row_placements",
 ]
 
 
@@ -111,6 +112,16 @@ def check_placements(placements: Sequence[Placement], ndim: int | None) -> list[
             raise ValueError(f"placements[{i}] = {p!r} has split_factor < 1.")
         dims.append(d)
     return dims
+
+
+def row_placements(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:
+    """Placements of per-row state ``[..., rows, 1]`` (NorMuon's v) of a ``ndim``-D tensor placed
+    with ``placements``: a shard of the last dim becomes ``Replicate`` (every rank holding a
+    piece of a row holds that row's value), everything else is kept as it is, so that a rank's
+    local rows (and leading indices) are exactly the tensor's, ``_StridedShard`` interleaving
+    included (the rows dim and every shard of it are unchanged)."""
+    dims = check_placements(placements, ndim)
+    return tuple(Replicate() if d == ndim - 1 else p for p, d in zip(placements, dims))
 
 
 # ----------------------------------------------------------------------------

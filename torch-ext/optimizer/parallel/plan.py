@@ -29,6 +29,12 @@ Terms
   block     a member's piece of a unit, padded to the largest member's piece so that
             every member's piece sits at the same stride in the buffers: one index
             kernel assembles a whole matrix, whatever the layout.
+  row state per-row state of a parameter that travels with its rows (NorMuon's v):
+            ``k`` extra columns of every block, after its padded columns
+            (``[..., padded rows, padded cols + k]``), holding each row's state as
+            ``k`` elements of the wire dtype (its bytes).  The owner assembles it with
+            the rows' index, the scatter returns it with the update: no collective of
+            its own, and a zero-copy matrix stays a (strided) view of the buffer.
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ class PlanParam:
     cost: Callable[[tuple[int, ...]], float]  # Newton-Schulz FLOPs of a (sub-)shape
     mesh: object = None  # the DeviceMesh (for its groups)
     compute_itemsize: int = 4  # bytes per element of Newton-Schulz's workspace
-    state_itemsize: int = 4  # bytes per element of the parameter (and its momentum)
+    state_itemsize: int = 4  # bytes per element of the momentum's arithmetic (the stacked input)
+    row_bytes: int = 0  # bytes of per-row state travelling with each row (NorMuon's v); 0: none
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,11 @@ class PlanSettings:
 # ----------------------------------------------------------------------------
 
 Region = tuple  # slices selecting a unit's part of a local tensor (leading dims only)
+
+
+def row_slots(row_bytes: int, dtype: torch.dtype) -> int:
+    """Elements of a ``dtype`` buffer that carry one row's state of ``row_bytes`` bytes (0: none)."""
+    return max(1, row_bytes // dtype.itemsize) if row_bytes else 0
 
 
 @dataclass
@@ -101,8 +113,9 @@ class Pack:
     param: int
     region: Region
     offset: int
-    padded: tuple[int, ...]
-    mine: tuple[int, ...]  # this rank's block shape (<= padded)
+    padded: tuple[int, ...]  # the block in the buffer (its last ``row_slots`` columns: row state)
+    mine: tuple[int, ...]  # this rank's piece of the matrix (<= padded)
+    row_slots: int = 0
 
 
 @dataclass
@@ -112,7 +125,7 @@ class Owned:
     param: int
     shape: tuple[int, ...]  # the unit's global shape
     offset: int  # within each member's segment
-    padded: tuple[int, ...]
+    padded: tuple[int, ...]  # every member's block (its last ``row_slots`` columns: row state)
     batch: int = -1  # index into Chunk.batches, or -1
     # Zero-copy: the members' padded pieces, in member order, are the matrix's rows
     # (then the gather buffer is the matrix, and the update is the scatter buffer).
@@ -123,6 +136,7 @@ class Owned:
     read: tuple = ()
     trash: tuple[bool, ...] = ()  # per dim: the assembled tensor needs one spare slot
     experts: Index | None = None  # global indices of its leading dim (3-D units); None for a matrix
+    row_slots: int = 0  # columns of row state after the matrix's padded columns
 
 
 @dataclass
@@ -135,6 +149,7 @@ class Update:
     offset: int
     padded: tuple[int, ...]
     mine: tuple[int, ...]
+    row_slots: int = 0
 
 
 @dataclass
@@ -176,6 +191,7 @@ class GatherAll:
     mine: tuple[int, ...]  # this rank's block shape
     my_index: tuple  # indexer of this rank's block in the whole matrix
     wire_dtype: torch.dtype
+    my_rows: tuple = ()  # indexer of this rank's rows (of the row state) in the whole unit
 
 
 @dataclass
@@ -455,9 +471,10 @@ def _gather_all(params: Sequence[PlanParam], i: int, rank: int, resolve_group) -
     pad = view.padded(whole)
     owned = view._owned(whole, 0, pad, single=False)
     mine_ix = view.members(i)[view.member]
-    my_index = (*[slice(None)] * (len(shape) - 2), *mine_ix[-2:])
+    lead = [slice(None)] * (len(shape) - 2)
     return GatherAll(i, view.shard_group, len(view.shard), owned, view.mine(whole),
-                     _device_indexer(my_index, p.device), p.wire_dtype)
+                     _device_indexer((*lead, *mine_ix[-2:]), p.device), p.wire_dtype,
+                     _device_indexer((*lead, mine_ix[-2]), p.device))
 
 
 def _device_indexer(indices, device) -> tuple:
@@ -535,14 +552,21 @@ class _RankView:
         return lay.batch_coordinate(self.coord) == job.batch and (
             job.replica is None or lay.replica_coordinate(self.coord) == job.replica)
 
+    def slots(self, i: int) -> int:
+        p = self.params[i]
+        return row_slots(p.row_bytes, p.wire_dtype)
+
     def padded(self, job: _Job) -> tuple[int, ...]:
+        """A member's block of ``job``: its matrix padded to the largest member's piece, then the
+        row state's columns."""
         lay = self.params[job.param].layout
-        key = (id(lay), job.shape)
+        k = self.slots(job.param)
+        key = (id(lay), job.shape, k)
         hit = self._padded_cache.get(key)
         if hit is None:
             members = self.members(job.param)
             dims = [max(_length(ix[d]) for ix in members) for d in (-2, -1)]
-            hit = self._padded_cache[key] = (*job.shape[:-2], *dims)
+            hit = self._padded_cache[key] = (*job.shape[:-2], dims[0], dims[1] + k)
         return hit
 
     def mine(self, job: _Job) -> tuple[int, ...]:
@@ -569,7 +593,8 @@ class _RankView:
         for k, owned in enumerate(by_member):
             for job in owned:
                 pad = self.padded(job)
-                chunk.packs.append(Pack(job.param, _region(job.leading), offset, pad, self.mine(job)))
+                chunk.packs.append(Pack(job.param, _region(job.leading), offset, pad, self.mine(job),
+                                        self.slots(job.param)))
                 offset += math.prod(pad)
         chunk.send_splits = segments
 
@@ -599,7 +624,8 @@ class _RankView:
         for owned in by_member:
             for job in owned:
                 pad = self.padded(job)
-                chunk.updates.append(Update(job.param, _region(job.leading), "scatter", base, pad, self.mine(job)))
+                chunk.updates.append(Update(job.param, _region(job.leading), "scatter", base, pad, self.mine(job),
+                                            self.slots(job.param)))
                 base += math.prod(pad)
 
         # 4. replica exchange: blocks of jobs owned in other replicas.
@@ -610,13 +636,15 @@ class _RankView:
     def _owned(self, job: _Job, offset: int, pad: tuple[int, ...], single: bool) -> Owned:
         members = self.members(job.param)
         lead = len(job.shape) - 2
+        slots = self.slots(job.param)
+        matrix_pad = (*pad[:-1], pad[-1] - slots)  # the block without its row-state columns
         write, read, trash, cpu_rows = [], [], [], []
         for d, size in zip((-2, -1), job.shape[-2:]):
             per = [ix[d] for ix in members]
             if all(isinstance(ix, slice) and ix == slice(0, size) for ix in per):
                 write.append(None), read.append(None), trash.append(False)
                 continue
-            width = pad[d]
+            width = matrix_pad[d]
             rows = torch.full((len(per), width), size, dtype=torch.long)
             for k, ix in enumerate(per):
                 idx = torch.arange(ix.start, ix.stop) if isinstance(ix, slice) else ix
@@ -640,7 +668,7 @@ class _RankView:
                 slice(held.start + job.leading.start, held.start + job.leading.stop) if isinstance(held, slice)
                 else held[job.leading])
         return Owned(job.param, job.shape, offset, pad, zero_copy=zero_copy,
-                     write=tuple(write), read=tuple(read), trash=tuple(trash), experts=experts)
+                     write=tuple(write), read=tuple(read), trash=tuple(trash), experts=experts, row_slots=slots)
 
     def _exchange(self, chunk: Chunk, jobs: list[_Job]) -> None:
         """Offsets of every replica's contribution, and the padded length all of them use."""
@@ -673,7 +701,8 @@ class _RankView:
             for job in per_replica.get(r, []):
                 pad = self.padded(job)
                 chunk.updates.append(Update(job.param, _region(job.leading), "exchange",
-                                            k * chunk.exchange_length + offsets[(r, id(job))], pad, self.mine(job)))
+                                            k * chunk.exchange_length + offsets[(r, id(job))], pad, self.mine(job),
+                                            self.slots(job.param)))
 
 
 def _with(coord, other, dims) -> tuple[int, ...]:

@@ -19,6 +19,11 @@ bottom below:
   4. update        the rule's local stages on every piece: ``step.apply_update`` (weight decay
                    and the update) and ``step.scale_rows`` (QK-clip).
 
+Per-row state (NorMuon's v, ``step.row_bytes > 0``) rides along: every block of a piece has
+``row_slots`` more columns holding its rows' state (``step.row_state_into``), the owner
+assembles it with the rows' index and hands it to its stage with the matrix, and the scatter
+(and the replica all-gather) return the new state in the same columns to ``step.apply_update``.
+
 Chunk i+1's gather is in flight while chunk i is orthogonalised, chunk i-1's scatter and chunk
 i-2's replica all-gather too (``async_op=True``, gloo and NCCL alike).  Peak extra memory: the
 buffers of ``lookahead + 2`` chunks, one more while a replica all-gather is in flight.
@@ -43,7 +48,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from .plan import Chunk, Owned, StepPlan
+from .plan import Chunk, Owned, StepPlan, row_slots
 from .stats import PipelineStats
 
 
@@ -55,11 +60,16 @@ class Stages(Protocol):
     @property
     def input_dtype(self) -> torch.dtype: ...
 
+    @property
+    def row_bytes(self) -> int: ...
+
     def input_into(self, out: torch.Tensor, region: tuple) -> None: ...
 
-    def orthogonalize(self, x: torch.Tensor) -> torch.Tensor: ...
+    def row_state_into(self, out: torch.Tensor, region: tuple) -> None: ...
 
-    def apply_update(self, region: tuple, update: torch.Tensor) -> None: ...
+    def orthogonalize(self, x: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def apply_update(self, region: tuple, update: torch.Tensor, rows: torch.Tensor | None) -> None: ...
 
     def scale_rows(self) -> None: ...
 
@@ -81,6 +91,21 @@ def _piece(buffer: torch.Tensor, offset: int, padded: Sequence[int], mine: Seque
     if tuple(mine) != tuple(padded):
         block = block[tuple(slice(0, n) for n in mine)]
     return block
+
+
+def _row_piece(buffer: torch.Tensor, offset: int, padded: Sequence[int], mine: Sequence[int],
+               slots: int) -> torch.Tensor:
+    """The row-state columns of the block at ``offset``, for the real block's rows."""
+    block = buffer[offset: offset + math.prod(padded)].view(padded)
+    return block[(..., slice(0, mine[-2]), slice(padded[-1] - slots, None))]
+
+
+def _split(blocks: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[..., rows, cols + slots]`` blocks as (matrix part, row-state part or None)."""
+    if not slots:
+        return blocks, None
+    cols = blocks.shape[-1] - slots
+    return blocks[..., :cols], blocks[..., cols:]
 
 
 def _assembled_shape(o: Owned) -> tuple[int, ...]:
@@ -106,19 +131,46 @@ def _indexer(o: Owned, index: tuple) -> tuple[tuple, int]:
 
 
 def _assemble(target: torch.Tensor, blocks: torch.Tensor, o: Owned) -> torch.Tensor:
-    """Write every member's padded block (``blocks``: ``[members, *padded]``) to its place in
-    ``target`` (one index kernel); return the real matrix."""
+    """Write every member's padded block (``blocks``: ``[members, *padded matrix]``) to its place
+    in ``target`` (one index kernel); return the real matrix."""
     indexer, axis = _indexer(o, o.write)
     target[indexer] = blocks.movedim(0, axis)
     return target[_real(o)]
 
 
+def _rows_shape(o: Owned) -> tuple[int, ...]:
+    return (*o.shape[:-1], o.row_slots)
+
+
+def _assemble_rows(blocks: torch.Tensor, o: Owned) -> torch.Tensor:
+    """The unit's row state ``[..., rows, slots]`` from every member's (``blocks``: ``[members, ...,
+    padded rows, slots]``): placed with the rows' index (members holding the same rows, i.e. other
+    columns of them, carry identical values), or member 0's when every member holds every row."""
+    rows = o.shape[-2]
+    if o.write[0] is None:
+        return blocks[0][..., :rows, :]
+    lead = [slice(None)] * (len(o.shape) - 2)
+    target = blocks.new_empty((*o.shape[:-2], rows + int(o.trash[0]), o.row_slots))
+    target[(*lead, o.write[0])] = blocks.movedim(0, len(lead))
+    return target[..., :rows, :]
+
+
+def _cut_rows(rows: torch.Tensor, o: Owned) -> torch.Tensor:
+    """Every member's rows of the unit's row state, ``[members, ..., padded rows, slots]`` (or
+    broadcastable to it)."""
+    if o.read[0] is None:
+        return rows
+    lead = len(o.shape) - 2
+    return rows[(*[slice(None)] * lead, o.read[0])].movedim(lead, 0)
+
+
 def _arrived(recv: torch.Tensor, chunk: Chunk, o: Owned) -> torch.Tensor:
-    """A zero-copy job: its pieces already are the matrix, in order."""
+    """A zero-copy job: its pieces already are the matrix, in order (with their row-state
+    columns, if any: ``[..., rows, cols + slots]``)."""
     if chunk.shard_size == 1:
         return recv[o.offset: o.offset + math.prod(o.padded)].view(o.padded)
-    rows, cols = o.shape
-    return recv.view(chunk.shard_size * o.padded[0], cols)[:rows]
+    rows = o.shape[0]
+    return recv.view(chunk.shard_size * o.padded[0], o.padded[-1])[:rows]
 
 
 def _region(t: torch.Tensor, region) -> torch.Tensor:
@@ -132,6 +184,7 @@ class _Flight:
     work: object
     send: torch.Tensor | None = None  # kept alive until the collective completes
     fulls: list = field(default_factory=list)
+    rows: list = field(default_factory=list)  # the owned units' row state (NorMuon's v), or None each
 
 
 def _all_to_all(recv, send, recv_splits, send_splits, chunk: Chunk, stats: PipelineStats):
@@ -157,6 +210,10 @@ def start_gather(chunk: Chunk, steps: Sequence[Stages], stats: PipelineStats) ->
             slot = _piece(send, pack.offset, pack.padded, pack.mine)
             if slot.numel():
                 steps[pack.param].input_into(slot, pack.region)
+            if pack.row_slots:
+                rows = _row_piece(send, pack.offset, pack.padded, pack.mine, pack.row_slots)
+                if rows.numel():
+                    steps[pack.param].row_state_into(rows, pack.region)
         if chunk.shard_group is None:
             return _Flight(chunk, send, None)
         recv = torch.empty(chunk.segment * chunk.shard_size, dtype=chunk.wire_dtype, device=chunk.device)
@@ -165,25 +222,40 @@ def start_gather(chunk: Chunk, steps: Sequence[Stages], stats: PipelineStats) ->
 
 
 def finish_gather(flight: _Flight, stats: PipelineStats) -> list[torch.Tensor]:
-    """Wait for the gather; assemble the whole matrices this rank owns (batched by shape)."""
+    """Wait for the gather; assemble the whole matrices this rank owns (batched by shape), and
+    their row state (``flight.rows``)."""
     with stats.time("gather"):
         if flight.work is not None:
             flight.work.wait()
         chunk, recv = flight.chunk, flight.recv
         batches = [None] * len(chunk.batches)
+        row_batches = [None] * len(chunk.batches)
         for b, members in enumerate(chunk.batches):
             o = chunk.owned[members[0]]
             batches[b] = recv.new_empty((len(members), *_assembled_shape(o)))
-        fulls = []
+            if o.row_slots:
+                row_batches[b] = recv.new_empty((len(members), *_rows_shape(o)))
+        fulls, rows = [], []
         for k, o in enumerate(chunk.owned):
             if o.zero_copy:
-                fulls.append(_arrived(recv, chunk, o))
+                full, row = _split(_arrived(recv, chunk, o), o.row_slots)
+                fulls.append(full)
+                rows.append(row)
                 continue
-            target = batches[o.batch][chunk.batches[o.batch].index(k)] if o.batch >= 0 else \
-                recv.new_empty(_assembled_shape(o))
+            in_batch = chunk.batches[o.batch].index(k) if o.batch >= 0 else -1
+            target = batches[o.batch][in_batch] if o.batch >= 0 else recv.new_empty(_assembled_shape(o))
             blocks = recv.view(chunk.shard_size, chunk.segment)[:, o.offset: o.offset + math.prod(o.padded)]
-            fulls.append(_assemble(target, blocks.view(chunk.shard_size, *o.padded), o))
-        flight.fulls = [(b, batches[b][(slice(None), *_real(chunk.owned[m[0]]))]) for b, m in enumerate(chunk.batches)]
+            matrix, row_blocks = _split(blocks.view(chunk.shard_size, *o.padded), o.row_slots)
+            fulls.append(_assemble(target, matrix, o))
+            row = None
+            if row_blocks is not None:
+                row = _assemble_rows(row_blocks, o)
+                if in_batch >= 0:
+                    row = row_batches[o.batch][in_batch].copy_(row)
+            rows.append(row)
+        flight.fulls = [(b, batches[b][(slice(None), *_real(chunk.owned[m[0]]))], row_batches[b])
+                        for b, m in enumerate(chunk.batches)]
+        flight.rows = rows
     return fulls
 
 
@@ -194,20 +266,29 @@ def finish_gather(flight: _Flight, stats: PipelineStats) -> list[torch.Tensor]:
 
 def orthogonalize_owned(flight: _Flight, fulls: list[torch.Tensor], steps: Sequence[Stages],
                         stats: PipelineStats) -> list[torch.Tensor]:
+    """The owner's stage on every owned unit (one call per batch); returns the updates, and
+    leaves the new row state in ``flight.rows``."""
     with stats.time("orthogonalize"):
         chunk = flight.chunk
         out: list[torch.Tensor | None] = [None] * len(fulls)
-        for b, batch in flight.fulls:
+        rows_out: list[torch.Tensor | None] = [None] * len(fulls)
+        for b, batch, row_batch in flight.fulls:
             members = chunk.batches[b]
             o = chunk.owned[members[0]]
             flat = batch.reshape(-1, *o.shape[-2:])  # experts of every member, one batch
-            result = steps[o.param].orthogonalize(flat).to(batch.dtype).view(len(members), *o.shape)
+            flat_rows = None if row_batch is None else row_batch.reshape(-1, *row_batch.shape[-2:])
+            result, new_rows = steps[o.param].orthogonalize(flat, flat_rows)
+            result = result.to(batch.dtype).view(len(members), *o.shape)
             for i, k in enumerate(members):
                 out[k] = result[i]
+                if new_rows is not None:
+                    rows_out[k] = new_rows.view(len(members), *_rows_shape(o))[i]
         for k, (o, full) in enumerate(zip(chunk.owned, fulls)):
             if out[k] is None:
-                out[k] = steps[o.param].orthogonalize(full).to(full.dtype)
+                result, rows_out[k] = steps[o.param].orthogonalize(full, flight.rows[k])
+                out[k] = result.to(full.dtype)
         flight.fulls = []
+        flight.rows = rows_out
     return out
 
 
@@ -216,20 +297,29 @@ def orthogonalize_owned(flight: _Flight, fulls: list[torch.Tensor], steps: Seque
 # --------------------------------------------------------------------------
 
 
-def start_scatter(chunk: Chunk, updates: list[torch.Tensor], stats: PipelineStats) -> _Flight:
+def start_scatter(chunk: Chunk, updates: list[torch.Tensor], stats: PipelineStats,
+                  rows: Sequence[torch.Tensor | None] = ()) -> _Flight:
+    """Cut every owned update (and its new row state, ``rows``) into the members' blocks and send them."""
     with stats.time("scatter"):
         length = max(chunk.scatter_recv_numel, chunk.exchange_length)  # what the exchange sends from
         alone = chunk.shard_group is None  # one member: what it sends is what it receives
         numel = chunk.segment * chunk.shard_size
         buffer = torch.empty(max(numel, length) if alone else numel, dtype=chunk.wire_dtype, device=chunk.device)
         send = buffer[:numel]
-        for o, u in zip(chunk.owned, updates):
+        for k, (o, u) in enumerate(zip(chunk.owned, updates)):
+            row = rows[k] if rows else None
             if o.zero_copy:
-                _arrived(send, chunk, o).copy_(u)
+                matrix, row_block = _split(_arrived(send, chunk, o), o.row_slots)
+                matrix.copy_(u)
+                if row_block is not None:
+                    row_block.copy_(row)
                 continue
             blocks = send.view(chunk.shard_size, chunk.segment)[:, o.offset: o.offset + math.prod(o.padded)]
+            matrix, row_blocks = _split(blocks.view(chunk.shard_size, *o.padded), o.row_slots)
             indexer, axis = _indexer(o, o.read)
-            blocks.view(chunk.shard_size, *o.padded).copy_(u[indexer].movedim(axis, 0))
+            matrix.copy_(u[indexer].movedim(axis, 0))
+            if row_blocks is not None:
+                row_blocks.copy_(_cut_rows(row, o))
         if alone:
             return _Flight(chunk, buffer, None)
         recv = torch.empty(length, dtype=chunk.wire_dtype, device=chunk.device)
@@ -272,10 +362,12 @@ def finish_update(flight: _Flight, steps: Sequence[Stages], stats: PipelineStats
         for u in chunk.updates:
             buffer = scatter if u.source == "scatter" else flight.recv
             block = _piece(buffer, u.offset, u.padded, u.mine)
-            if not block.numel():
+            rows = _row_piece(buffer, u.offset, u.padded, u.mine, u.row_slots) if u.row_slots else None
+            if not block.numel() and (rows is None or not rows.numel()):
                 continue
-            steps[u.param].apply_update(u.region, block)
-            updated.append(steps[u.param])
+            steps[u.param].apply_update(u.region, block, rows)
+            if block.numel():
+                updated.append(steps[u.param])
     _scale_rows(updated, stats)
 
 
@@ -297,7 +389,7 @@ def run_local(plan: StepPlan, steps: Sequence[Stages], stats: PipelineStats) -> 
     groups: dict[tuple, list] = {}
     for job in plan.local:
         s = steps[job.param]
-        groups.setdefault((s.batch_key, job.shape, s.input_dtype), []).append(job)
+        groups.setdefault((s.batch_key, job.shape, s.input_dtype, s.row_bytes), []).append(job)
     cap = plan.local_batch_bytes
     batches = []
     for jobs in groups.values():  # batched by shape, each batch within the memory bound
@@ -306,14 +398,22 @@ def run_local(plan: StepPlan, steps: Sequence[Stages], stats: PipelineStats) -> 
     for jobs in batches:
         with stats.time("orthogonalize"):
             s0 = steps[jobs[0].param]
-            stacked = torch.empty((len(jobs), *jobs[0].shape), dtype=s0.input_dtype, device=s0.param.device)
+            shape = jobs[0].shape
+            stacked = torch.empty((len(jobs), *shape), dtype=s0.input_dtype, device=s0.param.device)
+            slots = row_slots(s0.row_bytes, s0.input_dtype)
+            rows = stacked.new_empty((len(jobs), *shape[:-1], slots)) if slots else None
             for i, job in enumerate(jobs):
                 steps[job.param].input_into(stacked[i], job.region)
-            flat = stacked.view(-1, *jobs[0].shape[-2:])
-            result = s0.orthogonalize(flat).view(len(jobs), *jobs[0].shape)
+                if rows is not None:
+                    steps[job.param].row_state_into(rows[i], job.region)
+            flat = stacked.view(-1, *shape[-2:])
+            flat_rows = None if rows is None else rows.view(-1, shape[-2], slots)
+            result, new_rows = s0.orthogonalize(flat, flat_rows)
+            result = result.view(len(jobs), *shape)
+            new_rows = None if new_rows is None else new_rows.view(len(jobs), *shape[:-1], slots)
         with stats.time("update"):
             for i, job in enumerate(jobs):
-                steps[job.param].apply_update(job.region, result[i])
+                steps[job.param].apply_update(job.region, result[i], None if new_rows is None else new_rows[i])
         _scale_rows([steps[job.param] for job in jobs], stats)
 
 
@@ -342,7 +442,7 @@ def run_parallel_muon(plan: StepPlan, steps: Sequence[Stages], *, lookahead: int
         fulls = finish_gather(flight, stats)  # 1. gather
         updates = orthogonalize_owned(flight, fulls, steps, stats)  # 2. orthogonalize
         del fulls
-        scattered = start_scatter(chunk, updates, stats)  # 3. scatter (async)
+        scattered = start_scatter(chunk, updates, stats, flight.rows)  # 3. scatter (async)
         del updates
         if scattering is not None:
             exchanged = start_exchange(scattering, stats)  # 3b. replicas (async)
@@ -379,17 +479,23 @@ def gather_everything(plan: StepPlan, steps: Sequence[Stages], stats: PipelineSt
     run_local(plan, steps, stats)
     for g in plan.gather_all:
         s = steps[g.param]
+        o = g.owned
         with stats.time("gather"):
-            mine = torch.zeros(math.prod(g.owned.padded), dtype=g.wire_dtype, device=s.param.device)
-            s.input_into(_piece(mine, 0, g.owned.padded, g.mine), ())
+            mine = torch.zeros(math.prod(o.padded), dtype=g.wire_dtype, device=s.param.device)
+            s.input_into(_piece(mine, 0, o.padded, g.mine), ())
+            if o.row_slots:
+                s.row_state_into(_row_piece(mine, 0, o.padded, g.mine, o.row_slots), ())
             out = mine.new_empty(mine.numel() * g.size)
             _all_gather(out, mine, g.group)
             stats.all_gathers += 1
-            full = _assemble(out.new_empty(_assembled_shape(g.owned)), out.view(g.size, *g.owned.padded), g.owned)
+            matrix, row_blocks = _split(out.view(g.size, *o.padded), o.row_slots)
+            full = _assemble(out.new_empty(_assembled_shape(o)), matrix, o)
+            rows = None if row_blocks is None else _assemble_rows(row_blocks, o)
         with stats.time("orthogonalize"):
-            update = s.orthogonalize(full).to(full.dtype)
+            update, new_rows = s.orthogonalize(full, rows)
+            update = update.to(full.dtype)
         with stats.time("update"):
-            s.apply_update((), update[g.my_index])
+            s.apply_update((), update[g.my_index], None if new_rows is None else new_rows[g.my_rows])
         _scale_rows([s], stats)
         item = out.element_size()
         stats.bytes_sent += mine.numel() * item * (g.size - 1)
