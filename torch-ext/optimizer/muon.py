@@ -39,7 +39,8 @@ from .row_blocks import ROW_BLOCKS_KEY, resolve_row_blocks, spec_for
 from .settings import MuonSettings
 from .step_context import Layouts, StepContext, context_key, entries_of, qk_params, rank
 from .tensors import is_dtensor
-from .update import muon_update
+from .rule import row_state_dtype
+from .update import momentum_dtype, muon_update, work_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -227,9 +228,34 @@ class Muon(Optimizer):
         for i, group in enumerate(state_dict["param_groups"]):
             options.check_group(group, f"checkpoint param_groups[{i}]")
         qk_clip = state_layout.qk_clip_from_groups(state_dict["param_groups"], self.settings.qk_clip)
-        super().load_state_dict(state_dict)
+        storage = [{k: g.get(k) for k in state_layout.STORAGE_GROUP_OPTIONS} for g in self.param_groups]
+        rest, kept = state_layout.split_kept_state(state_dict, self)
+        super().load_state_dict({**state_dict, "state": rest})
+        for group, own in zip(self.param_groups, storage):
+            group.update(own)  # the loading optimizer's storage options stay
+            options.normalize_group(group)
+        self._restore_kept_state(kept)
         self.settings = dataclasses.replace(self.settings, qk_clip=qk_clip)
         self._stamp_layout()
+
+    def _restore_kept_state(self, kept: dict) -> None:
+        """Momentum buffers and NorMuon's v, moved to their parameter's device in the dtype this
+        optimizer keeps them in (torch's loader would have cast them to the parameter's dtype);
+        a buffer saved in another dtype is converted, with a note."""
+        group_of = {p: g for g in self.param_groups for p in g["params"]}
+        converted: dict[tuple, int] = {}
+        for (p, key), value in kept.items():
+            group = group_of[p]
+            dtype = momentum_dtype(p, group) if key == state_layout.MOMENTUM_KEY else \
+                row_state_dtype(work_dtype(p, group))
+            if value.dtype != dtype:
+                converted[(key, str(value.dtype), str(dtype))] = converted.get((key, str(value.dtype), str(dtype)), 0) + 1
+            self.state[p][key] = value.to(device=p.device, dtype=dtype)
+        for (key, saved, live), count in converted.items():
+            logger.warning("Muon.load_state_dict: %d '%s' tensors were saved as %s and are converted to %s, the "
+                           "dtype this optimizer keeps them in (momentum_dtype, or the parameter's; set momentum_dtype "
+                           "to keep a saved momentum as it was)", count, key, saved.removeprefix("torch."),
+                           live.removeprefix("torch."))
 
     def _stamp_layout(self) -> None:
         for group in self.param_groups:

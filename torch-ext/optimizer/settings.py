@@ -265,6 +265,11 @@ class GroupOption:
     torch_default: bool = True
     # The value as groups hold it (e.g. a dtype given by name as the torch.dtype); None: as given.
     normalize: Callable[[Any], Any] | None = None
+    # A group holds the option only when it is not at its default ("off"): a group without it reads
+    # as the default.  So state dicts have exactly the keys they had before the option existed, and
+    # torch.distributed.checkpoint (which loads the keys the loading optimizer's groups have, and
+    # refuses a checkpoint without one) still loads checkpoints from before it.
+    optional: bool = False
 
     @property
     def ctor_keyword(self) -> str:
@@ -297,14 +302,15 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
     GroupOption("normuon_beta2", (MUON,), None,
                 "None: Muon; a number in [0, 1): NorMuon (arXiv 2510.05491), a per-row second moment "
                 "v <- beta2 v + (1 - beta2) mean(O*O, last dim) of the orthogonalised update O (per matrix, "
-                "per expert, per row block), O / (sqrt(v) + 1e-8) rescaled to ||O||_F", _normuon_beta2, plan=True),
+                "per expert, per row block), O / (sqrt(v) + 1e-8) rescaled to ||O||_F", _normuon_beta2, plan=True,
+                optional=True),
     GroupOption("cautious_wd", BOTH, False,
                 "cautious weight decay (arXiv 2510.12402): decay only where the parameter and its update "
-                "have the same sign, p -= lr * wd * p * [p * update >= 0]", _boolean),
+                "have the same sign, p -= lr * wd * p * [p * update >= 0]", _boolean, optional=True),
     GroupOption("momentum_dtype", (MUON,), None,
                 "dtype of the Muon momentum buffer (None: the parameter's; torch.bfloat16 halves its "
                 "memory); the arithmetic is in the wider of it and the parameter's dtype",
-                _momentum_dtype, plan=True, normalize=dtype_of),
+                _momentum_dtype, plan=True, normalize=dtype_of, optional=True),
 )
 GROUP_OPTION = {o.name: o for o in GROUP_OPTIONS}
 
@@ -367,7 +373,7 @@ def torch_defaults(group_defaults: Mapping[str, Mapping[str, Any]]) -> dict[str,
     """What torch's ``Optimizer`` keeps as ``defaults`` (and fills into every group)."""
     out: dict[str, Any] = {}
     for o in GROUP_OPTIONS:
-        if o.constructor and o.torch_default:
+        if o.constructor and o.torch_default and not o.optional:
             out[o.name] = group_defaults[o.kinds[-1]][o.name]
     return out
 
@@ -386,10 +392,19 @@ def fill_group(group: dict, group_defaults: Mapping[str, Mapping[str, Any]]) -> 
 
 
 def normalize_group(group: dict) -> None:
-    """Every option the group holds in its normal form (see ``GroupOption.normalize``)."""
+    """Every option the group holds in its normal form (see ``GroupOption.normalize``); an optional
+    option at its default is not held at all (``GroupOption.optional``)."""
     for o in GROUP_OPTIONS:
-        if o.normalize is not None and o.name in group:
+        if o.name not in group:
+            continue
+        if o.normalize is not None:
             group[o.name] = o.normalize(group[o.name])
+        if o.optional and _is_default(o, group[o.name]):
+            del group[o.name]
+
+
+def _is_default(o: GroupOption, value: Any) -> bool:
+    return value is o.default or (type(value) is type(o.default) and value == o.default)
 
 
 def check_group(group: Mapping, where: str) -> None:
@@ -408,6 +423,8 @@ def record(settings: MuonSettings, param_groups: Sequence[Mapping]) -> dict[str,
         for o in GROUP_OPTIONS:
             if o.name in group:
                 value = group[o.name] if o.normalize is None else o.normalize(group[o.name])
+                if o.optional and _is_default(o, value):
+                    continue  # held or not, the same setting
                 out[f"param_groups[{i}].{o.name}"] = rank_independent_repr(value)
     return out
 

@@ -22,8 +22,27 @@ from activation checkpointing, ``_fsdp_wrapped_module`` from FSDP1), so a checkp
 from the unwrapped model loads into the wrapped one and back, as it does for torch.optim.AdamW.
 
 Layout version 1, per parameter:
-  Muon groups (``use_muon=True``):  ``momentum_buffer``, shaped and placed like the param.
+  Muon groups (``use_muon=True``):  ``momentum_buffer``, shaped and placed like the param (its
+    dtype: the group's ``momentum_dtype``, else the param's); and ``normuon_v`` exactly when the
+    group has ``normuon_beta2`` set: ``[..., rows, 1]`` (NorMuon's per-row second moment, fp32 or
+    wider), a DTensor with the param's placements where a shard of the last dim is ``Replicate``
+    (``distributed.placements.row_placements``), so that DCP saves and reshards it.
   AdamW groups:  ``step`` (0-d float32 tensor), ``exp_avg``, ``exp_avg_sq`` (like the param).
+
+Group options added after version 1 (``normuon_beta2``, ``cautious_wd``, ``momentum_dtype``) are
+*optional* (``settings.GroupOption.optional``): a group holds one only when it is on, and a group
+without it reads as off.  So checkpoints from before them have the same keys as today's with the
+options off: torch.distributed.checkpoint loads the keys of the loading optimizer's state dict and
+refuses a checkpoint that lacks one, nested or flattened, so a key every group held would make
+every older checkpoint unloadable through DCP.  The price: through DCP the loading optimizer
+decides which of them are read, so build it with the options of the run that saved (a plain
+``load_state_dict`` restores them from the checkpoint, like ``lr``).
+
+``momentum_dtype`` is how this optimizer stores its momentum: the loading optimizer keeps its own
+(:data:`STORAGE_GROUP_OPTIONS`), and a buffer saved in another dtype is converted (with a logged
+note).  torch's loader would cast every floating state tensor to its parameter's dtype;
+``momentum_buffer`` and ``normuon_v`` are kept out of that cast (:func:`split_kept_state`), so a
+bf16 buffer stays bf16 and fp32 ``v`` of a bf16 parameter stays fp32.
 """
 
 from __future__ import annotations
@@ -36,6 +55,7 @@ import torch
 
 from .adamw import ADAMW_STATE_KEYS
 from .qk_clip import QKClipConfig, config_from_record, config_record
+from .distributed.placements import row_placements
 from .row_blocks import ROW_BLOCKS_KEY, row_blocks_mismatch
 from .tensors import is_dtensor
 
@@ -45,8 +65,14 @@ LAYOUT_VERSION = 1
 VERSION_KEY = "muon_state_version"
 QK_CLIP_KEY = "qk_clip_settings"
 
-MUON_STATE_KEYS = frozenset({"momentum_buffer"})
+MOMENTUM_KEY, ROW_STATE_KEY = "momentum_buffer", "normuon_v"
+MUON_STATE_KEYS = frozenset({MOMENTUM_KEY})
+NORMUON_STATE_KEYS = frozenset({MOMENTUM_KEY, ROW_STATE_KEY})
 ADAMW_STATE_KEYS_SET = frozenset(ADAMW_STATE_KEYS)
+# How this optimizer stores its state: on load, the loading optimizer keeps its own value.
+STORAGE_GROUP_OPTIONS = ("momentum_dtype",)
+# State whose dtype is the optimizer's choice, not the parameter's: kept out of torch's cast on load.
+KEPT_DTYPE_STATE = (MOMENTUM_KEY, ROW_STATE_KEY)
 
 _FRESH_START = (
     "To resume anyway, load only the model weights and let the optimizer start from fresh state, "
@@ -138,6 +164,26 @@ def stamp_group(group: dict, cfg: QKClipConfig | None) -> None:
         group.setdefault(ROW_BLOCKS_KEY, None)
 
 
+def normuon_on(group: Mapping) -> bool:
+    return group.get("normuon_beta2") is not None
+
+
+def split_kept_state(state_dict: Mapping, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """``state_dict``'s state without the tensors whose dtype the optimizer chooses
+    (:data:`KEPT_DTYPE_STATE`), and those tensors as ``{(parameter, key): tensor}`` (the parameter
+    that a state entry's id stands for, as torch maps them: groups in order)."""
+    params = {}
+    for saved, live in zip(state_dict["param_groups"], opt.param_groups):
+        params.update(zip(saved["params"], live["params"]))
+    rest, kept = {}, {}
+    for pid, entry in state_dict["state"].items():
+        rest[pid] = {k: v for k, v in entry.items() if k not in KEPT_DTYPE_STATE}
+        for key in KEPT_DTYPE_STATE:
+            if key in entry:
+                kept[(params[pid], key)] = entry[key]
+    return rest, kept
+
+
 def _normalised(record: Mapping) -> dict[str, Any]:
     out = dict(record)
     for k in ("q_patterns", "k_patterns", "qkv_patterns", "fused_qkv", "mla"):  # saved tuples may load as lists
@@ -201,11 +247,11 @@ def _check_groups(saved_groups: list[Mapping], live_groups: list[Mapping]) -> di
             f"{len(live_groups)}; build the optimizer with the same param groups, in the same order, as the "
             "run that saved it."
         )
-    owners: dict[Any, tuple[torch.Tensor, str, bool]] = {}
+    owners: dict[Any, tuple[torch.Tensor, str, bool, bool]] = {}
     for gi, (saved, live) in enumerate(zip(saved_groups, live_groups)):
         names = _check_group(gi, saved, live)
         for pid, p, name in zip(saved["params"], live["params"], names):
-            owners[pid] = (p, name, live["use_muon"])
+            owners[pid] = (p, name, live["use_muon"], normuon_on(saved))
     return owners
 
 
@@ -241,10 +287,17 @@ def _check_group(gi: int, saved: Mapping, live: Mapping) -> list[str]:
     return names
 
 
-def _check_param_state(entry: Any, p: torch.Tensor, name: str, use_muon: bool) -> None:
-    expected = MUON_STATE_KEYS if use_muon else ADAMW_STATE_KEYS_SET
+def _check_param_state(entry: Any, p: torch.Tensor, name: str, use_muon: bool, normuon: bool = False) -> None:
+    expected = (NORMUON_STATE_KEYS if normuon else MUON_STATE_KEYS) if use_muon else ADAMW_STATE_KEYS_SET
     if not isinstance(entry, Mapping) or set(entry) != expected:
         got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
+        if use_muon and isinstance(entry, Mapping) and set(entry) ^ expected == {ROW_STATE_KEY}:
+            raise ValueError(
+                f"Muon.load_state_dict: the checkpoint's state for '{name}' has {got}, but its group has "
+                f"normuon_beta2={'set' if normuon else 'None'}: '{ROW_STATE_KEY}' (NorMuon's per-row second moment) "
+                "is there exactly when NorMuon is on. Through torch.distributed.checkpoint the loading optimizer's "
+                "options decide which keys are read: build it with the normuon_beta2 of the run that saved it."
+            )
         raise ValueError(
             f"Muon.load_state_dict: the checkpoint's state for '{name}' has {got}, but a "
             f"{'Muon' if use_muon else 'AdamW'} parameter's state is {sorted(expected)} (layout version "
@@ -255,18 +308,22 @@ def _check_param_state(entry: Any, p: torch.Tensor, name: str, use_muon: bool) -
             if not (torch.is_tensor(value) and value.numel() == 1) and not isinstance(value, (int, float)):
                 raise ValueError(f"Muon.load_state_dict: state 'step' of '{name}' must be a scalar, got {value!r}")
             continue
-        if not torch.is_tensor(value) or tuple(value.shape) != tuple(p.shape):
-            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+        shape, placements = tuple(p.shape), tuple(p.placements) if is_dtensor(p) else ()
+        if key == ROW_STATE_KEY:
+            shape, placements = (*shape[:-1], 1), row_placements(placements, p.dim()) if placements else ()
+        if not torch.is_tensor(value) or tuple(value.shape) != shape:
+            got_shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
             raise ValueError(
-                f"Muon.load_state_dict: state '{key}' of '{name}' has shape {shape} but the parameter has "
-                f"shape {tuple(p.shape)}; the checkpoint belongs to a different model."
+                f"Muon.load_state_dict: state '{key}' of '{name}' has shape {got_shape} but the parameter's "
+                f"{'per-row state' if key == ROW_STATE_KEY else 'state'} has shape {shape}; the checkpoint "
+                "belongs to a different model."
             )
         if is_dtensor(p) != is_dtensor(value) or (
-            is_dtensor(p) and (tuple(value.placements) != tuple(p.placements) or value.device_mesh != p.device_mesh)
+            is_dtensor(p) and (tuple(value.placements) != placements or value.device_mesh != p.device_mesh)
         ):
             raise ValueError(
                 f"Muon.load_state_dict: state '{key}' of '{name}' is {_where(value)} but the parameter is "
-                f"{_where(p)}. " + _RESHARD_HINT
+                f"{_where(p) if key != ROW_STATE_KEY else f'a DTensor with placements {placements}'}. " + _RESHARD_HINT
             )
 
 
