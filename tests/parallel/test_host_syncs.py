@@ -45,7 +45,10 @@ def _specs(case: str, copies: int):
     return mesh_shape, [(n.format(i=i), shape, pl) for i in range(copies) for n, shape, pl in templates]
 
 
-def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite):
+VARIANTS = dict(normuon_beta2=0.9, cautious_wd=True, momentum_dtype=torch.bfloat16)
+
+
+def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite, options=None):
     from optimizer import Muon, QKClipConfig
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -55,7 +58,7 @@ def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite):
     named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
              for n, _, pl in specs]
     opt = Muon(build_groups(named), lr=0.02, skip_nonfinite=skip_nonfinite, replica_split="always",
-               qk_clip=QKClipConfig(head_dim=HEAD_DIM, threshold=1.0) if qk else None)
+               qk_clip=QKClipConfig(head_dim=HEAD_DIM, threshold=1.0) if qk else None, **(options or {}))
     counts = []
     for s in range(2):
         for n, p in named:
@@ -70,13 +73,15 @@ def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite):
     return counts[0], opt.last_step_stats.chunks
 
 
-@pytest.mark.parametrize("case, qk, skip", [
-    ("fsdp", True, True), ("fsdp_tp", True, False), ("experts", True, True), ("hsdp_split", True, True),
-    ("fsdp_tp", False, False),
-])
-def test_one_host_read_per_step_whatever_the_number_of_parameters(case, qk, skip):
+@pytest.mark.parametrize("case, qk, skip, options", [
+    ("fsdp", True, True, None), ("fsdp_tp", True, False, None), ("experts", True, True, None),
+    ("hsdp_split", True, True, None), ("fsdp_tp", False, False, None),
+    # NorMuon (v through the all-to-alls and the replica all-gather), cautious WD, bf16 momentum
+    ("fsdp_tp", True, False, VARIANTS), ("experts", True, True, VARIANTS), ("hsdp_split", True, True, VARIANTS),
+], ids=lambda x: "variants" if isinstance(x, dict) else None)
+def test_one_host_read_per_step_whatever_the_number_of_parameters(case, qk, skip, options):
     for copies in (1, 3):
-        for events, chunks in run_ranks(_watch_step, 4, case, copies, qk, skip, timeout=120):
+        for events, chunks in run_ranks(_watch_step, 4, case, copies, qk, skip, options, timeout=120):
             assert events == ["tolist"], (case, copies, events)  # the agreement's one read-back
             assert chunks >= 1
 

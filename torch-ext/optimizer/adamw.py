@@ -196,8 +196,8 @@ def cautious_adamw_step_(
         denom = (v.sqrt() / bias2_sqrt).add_(eps)
         lr_t = lr.to(device=p.device, dtype=wide) if isinstance(lr, Tensor) else lr
         keep = 1 - lr_t * weight_decay
-        keep = keep if isinstance(keep, Tensor) else torch.tensor(keep, dtype=wide, device=p.device)
-        p.mul_(torch.where(p * m >= 0, keep, torch.ones((), dtype=wide, device=p.device)))
+        keep = keep if isinstance(keep, Tensor) else p.new_full((), keep, dtype=wide)  # a fill, not a copy
+        p.mul_(torch.where(p * m >= 0, keep, p.new_ones((), dtype=wide)))
         step_size = lr_t / bias1
         p.sub_(m / denom * step_size)
 

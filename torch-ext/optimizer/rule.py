@@ -111,9 +111,9 @@ def decay_factor(param: Tensor, update: Tensor, lr: float | Tensor, weight_decay
     in direction), ``1`` elsewhere (dion's mask ``min(sign(W U) + 1, 1)``; arXiv 2510.12402)."""
     dtype = torch.promote_types(param.dtype, torch.float32)  # as mul_ by a Python scalar computes
     keep = 1 - lr * weight_decay
-    keep = keep.to(device=param.device, dtype=dtype) if isinstance(keep, Tensor) else \
-        torch.tensor(keep, dtype=dtype, device=param.device)
-    return torch.where(param * update >= 0, keep, torch.ones((), dtype=dtype, device=param.device))
+    # fills on the device (no host-to-device copy of a Python scalar)
+    keep = keep.to(device=param.device, dtype=dtype) if isinstance(keep, Tensor) else param.new_full((), keep, dtype=dtype)
+    return torch.where(param * update >= 0, keep, param.new_ones((), dtype=dtype))
 
 
 def apply_update_(
