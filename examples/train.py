@@ -3,11 +3,15 @@
     torchrun --nproc-per-node N examples/train.py --config configs/<name>.toml [--steps K]
         [--no-qk-clip] [--distributed-mode parallel|gather] [--check] [--tolerance T]
         [--device cpu|cuda] [--compute-dtype fp32|bf16] [--summary-out PATH]
+        [--normuon-beta2 B] [--cautious-wd] [--momentum-dtype fp32|bf16] [--weight-decay WD]
     python examples/train.py [--config configs/base.toml]        # 1-rank configs, no torchrun
 
 ``--device cuda``: NCCL, each rank on ``cuda:LOCAL_RANK`` (the model, the data
 and the lockstep reference); ``cpu`` (default): gloo.  ``--compute-dtype``: the
 Newton–Schulz dtype of both the distributed optimizer and the reference.
+``--normuon-beta2``, ``--cautious-wd``, ``--momentum-dtype``: Muon's variants
+(NorMuon, cautious weight decay, the momentum's storage dtype), for both;
+``--weight-decay`` overrides ``[train] weight_decay`` (the configs train without).
 
 Every rank builds the same model from the config's seed and parallelizes it per
 the config.  Each step takes a deterministic global batch (``[data] source``: the
@@ -27,6 +31,7 @@ and checks only the Muon run's first ``check_steps``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -87,7 +92,9 @@ ADAMW_BETAS = (0.9, 0.95)
 ADAMW_EPS = 1e-8
 # The cosine schedule decays to this fraction of the peak learning rate.
 COSINE_FLOOR = 0.1
-OPTIMIZERS = ("muon", "adamw")
+OPTIMIZERS = ("muon", "normuon", "adamw")
+# NorMuon's beta2 in the examples ("normuon" runs): dion's default (and the paper's).
+NORMUON_BETA2 = 0.95
 
 
 def synthetic_batch(cfg: RunConfig, step: int) -> torch.Tensor:
@@ -118,10 +125,11 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str)
 
 
 def make_optimizer(model, cfg: RunConfig, use_qk_clip: bool, distributed_mode: str,
-                   compute_dtype: torch.dtype | None = None) -> Muon:
+                   compute_dtype: torch.dtype | None = None, muon_options: dict | None = None) -> Muon:
     """Muon for the matrices (row blocks per ``[muon]``), AdamW (inside Muon) for the rest,
     at ``cfg.train.lr``; QK-clip for the config's attention; Newton–Schulz in
-    ``compute_dtype`` (None: fp32)."""
+    ``compute_dtype`` (None: fp32); ``muon_options``: more of Muon's keywords (the variants:
+    ``normuon_beta2``, ``cautious_wd``, ``momentum_dtype``)."""
     return Muon(
         muon_param_groups(model, cfg),
         lr=cfg.train.lr,
@@ -132,6 +140,7 @@ def make_optimizer(model, cfg: RunConfig, use_qk_clip: bool, distributed_mode: s
         qk_clip=qk_clip_config(cfg) if use_qk_clip else None,
         distributed_mode=distributed_mode,
         compute_dtype=compute_dtype or torch.float32,
+        **(muon_options or {}),
     )
 
 
@@ -165,6 +174,7 @@ def train(
     label: str | None = None,
     device: torch.device | str = "cpu",
     compute_dtype: torch.dtype | None = None,
+    muon_options: dict | None = None,
 ) -> dict:
     """Run the training loop on this rank; returns the summary (same on every rank).
 
@@ -172,7 +182,8 @@ def train(
     rank of the config's world must call it.
     """
     run = Run(cfg, steps, use_qk_clip, distributed_mode, log, optimizer=optimizer,
-              check_steps=check_steps, label=label, device=device, compute_dtype=compute_dtype)
+              check_steps=check_steps, label=label, device=device, compute_dtype=compute_dtype,
+              muon_options=muon_options)
     while not run.done:
         run.step()
     return run.summary()
@@ -182,8 +193,10 @@ class Run:
     """One training run on this rank, advanced a step at a time by :meth:`step`
     (so that two runs can take turns on a shared machine and see the same load).
 
-    ``optimizer``: "muon" (:func:`make_optimizer`) or "adamw" (:func:`make_adamw`,
-    no QK-clip), both at ``cfg.train.lr`` with the config's schedule over ``steps``.
+    ``optimizer``: "muon" (:func:`make_optimizer`), "normuon" (the same with
+    ``normuon_beta2=NORMUON_BETA2``) or "adamw" (:func:`make_adamw`, no QK-clip), all at
+    ``cfg.train.lr`` with the config's schedule over ``steps``; ``muon_options``: more of
+    Muon's keywords (the variants) for "muon"/"normuon".
     ``check_steps``: how many first steps run the lockstep reference (None: all);
     the deviation is measured after the last checked step.  Validation loss is
     measured before the first step, every ``cfg.train.eval_every`` steps and after
@@ -198,7 +211,8 @@ class Run:
     def __init__(self, cfg: RunConfig, steps: int | None = None, use_qk_clip: bool | None = None,
                  distributed_mode: str = "parallel", log=print, *, optimizer: str = "muon",
                  check_steps: int | None = None, label: str | None = None,
-                 device: torch.device | str = "cpu", compute_dtype: torch.dtype | None = None):
+                 device: torch.device | str = "cpu", compute_dtype: torch.dtype | None = None,
+                 muon_options: dict | None = None):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         self.cfg = cfg
@@ -212,6 +226,10 @@ class Run:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.device, self.compute_dtype = torch.device(device), compute_dtype
+        self.muon_options = {**({"normuon_beta2": NORMUON_BETA2} if optimizer == "normuon" else {}),
+                             **(muon_options or {})}
+        if optimizer == "adamw" and self.muon_options:
+            raise ValueError(f"Muon's options {sorted(self.muon_options)} do not apply to the AdamW baseline")
 
         mesh = build_mesh(cfg, self.device.type)
         # Built on the CPU (the seeded init is the same everywhere), then moved.
@@ -237,8 +255,9 @@ class Run:
 
     def _make_optimizer(self, model):
         # module-level names looked up at call time, so that tests can wrap make_optimizer
-        if self.optimizer == "muon":
-            return make_optimizer(model, self.cfg, self.use_qk_clip, self.distributed_mode, self.compute_dtype)
+        if self.optimizer != "adamw":
+            return make_optimizer(model, self.cfg, self.use_qk_clip, self.distributed_mode, self.compute_dtype,
+                                  self.muon_options)
         return make_adamw(model, self.cfg)
 
     def _make_schedule(self, opt):
@@ -341,6 +360,9 @@ class Run:
             "distributed_mode": self.distributed_mode,
             "device": self.device.type,
             "compute_dtype": str(self.compute_dtype or torch.float32).removeprefix("torch."),
+            "muon_options": {k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+                             for k, v in self.muon_options.items()},
+            "weight_decay": cfg.train.weight_decay,
             "losses": losses,
             "first_loss": losses[0] if losses else math.nan,
             "last_loss": losses[-1] if losses else math.nan,
@@ -464,7 +486,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compute-dtype", default="fp32", choices=tuple(COMPUTE_DTYPES),
                     help="Newton–Schulz dtype of the distributed optimizer and of the single-device reference")
     ap.add_argument("--summary-out", default=None, help="write a JSON summary here (rank 0)")
+    ap.add_argument("--normuon-beta2", type=float, default=None, help="NorMuon with this beta2 (Muon's normuon_beta2)")
+    ap.add_argument("--cautious-wd", action="store_true", help="cautious weight decay (Muon's cautious_wd)")
+    ap.add_argument("--momentum-dtype", default=None, choices=tuple(COMPUTE_DTYPES),
+                    help="the Muon momentum's storage dtype (Muon's momentum_dtype; default: the parameter's)")
+    ap.add_argument("--weight-decay", type=float, default=None, help="override [train] weight_decay")
     return ap.parse_args(argv)
+
+
+def muon_options_from(args: argparse.Namespace) -> dict:
+    """Muon's variant keywords from the command line (only those given)."""
+    out = {}
+    if args.normuon_beta2 is not None:
+        out["normuon_beta2"] = args.normuon_beta2
+    if args.cautious_wd:
+        out["cautious_wd"] = True
+    if args.momentum_dtype is not None:
+        out["momentum_dtype"] = COMPUTE_DTYPES[args.momentum_dtype]
+    return out
 
 
 def main(argv=None) -> int:
@@ -498,6 +537,18 @@ def main(argv=None) -> int:
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.weight_decay is not None:
+        if not args.weight_decay >= 0:
+            print(f"error: --weight-decay must be >= 0, got {args.weight_decay}", file=sys.stderr)
+            return 2
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, weight_decay=args.weight_decay))
+    try:
+        muon_options = muon_options_from(args)
+        if muon_options:  # a bad value is refused before any process starts training
+            Muon([{"params": [torch.nn.Parameter(torch.zeros(2, 2))], "use_muon": True}], **muon_options)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if launched:
         if args.device == "cuda":
             dist.init_process_group("nccl", timeout=timedelta(minutes=5), device_id=device)
@@ -512,6 +563,7 @@ def main(argv=None) -> int:
             distributed_mode=args.distributed_mode,
             device=device,
             compute_dtype=compute_dtype,
+            muon_options=muon_options,
         )
         tolerance = tolerance_for(compute_dtype, summary["check_steps"]) if args.tolerance is None else args.tolerance
         problems = check(summary, tolerance)

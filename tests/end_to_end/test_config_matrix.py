@@ -1,5 +1,8 @@
 """The mesh-config matrix: every configs/*.toml x QK-clip on/off under torchrun.
 
+Muon's variants (NorMuon + cautious weight decay) run on every config in the forked fast path,
+and under torchrun on ``fsdp_tp`` once.
+
 The attention-variant configs (fused QKV, MLA) run under torchrun with QK-clip on only,
 as issue 12 asks: the off case adds no code path the on case skips (it only drops the
 row scaling), and each torchrun case costs ~15-30 s of CI.  The forked fast path runs
@@ -84,12 +87,40 @@ def _check_summary(summary, world_size, qk, steps):
         assert sum(summary["heads_clipped"]) > 0, summary
 
 
-def _train_forked(rank, world_size, config, qk):
+# NorMuon and cautious weight decay (with weight decay on: the configs train without it).
+VARIANTS = dict(normuon_beta2=0.95, cautious_wd=True)
+VARIANT_WEIGHT_DECAY = 0.1
+VARIANT_FLAGS = ["--normuon-beta2", "0.95", "--cautious-wd", "--weight-decay", str(VARIANT_WEIGHT_DECAY)]
+
+
+@pytest.mark.torchrun
+def test_normuon_under_torchrun_matches_single_device(tmp_path):
+    """One NorMuon + cautious-WD case as a user launches it (FSDP over TP: v's rows interleaved
+    by _StridedShard, the row-wise weights sharded on their last dim); the forked fast path
+    below runs every config."""
+    config = os.path.join(ROOT, "configs", "fsdp_tp.toml")
+    summary_path = tmp_path / "summary.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={config_world_size(config)}",
+           os.path.join(ROOT, "examples", "train.py"), "--config", config, "--check", "--summary-out",
+           str(summary_path), "--steps", str(MATRIX_STEPS), *VARIANT_FLAGS]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
+    summary = json.loads(summary_path.read_text())
+    _check_summary(summary, config_world_size(config), True, MATRIX_STEPS)
+    assert summary["muon_options"] == VARIANTS and summary["weight_decay"] == VARIANT_WEIGHT_DECAY
+
+
+def _train_forked(rank, world_size, config, qk, muon_options=None):
+    import dataclasses
+
     from examples.config import load_config
     from examples.train import DEFAULT_TOLERANCE, check, train
 
-    summary = train(load_config(config, world_size=world_size), steps=FAST_STEPS, use_qk_clip=qk,
-                    log=lambda *_: None)
+    cfg = load_config(config, world_size=world_size)
+    if muon_options:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, weight_decay=VARIANT_WEIGHT_DECAY))
+    summary = train(cfg, steps=FAST_STEPS, use_qk_clip=qk, log=lambda *_: None, muon_options=muon_options)
     summary["tolerance"] = DEFAULT_TOLERANCE
     summary["passed"] = not check(summary, DEFAULT_TOLERANCE)
     return summary
@@ -103,3 +134,13 @@ def test_config_fast_path_forked_ranks(config, qk):
     world_size = config_world_size(config)
     summaries = run_ranks(_train_forked, world_size, config, qk, timeout=240)
     _check_summary(summaries[0], world_size, qk, FAST_STEPS)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[_config_id(c) for c in CONFIGS])
+def test_config_fast_path_normuon_cautious_wd(config):
+    """Every mesh config with NorMuon and cautious weight decay: every parameter within 1e-5 of
+    single-device Muon with the same options (fp32)."""
+    world_size = config_world_size(config)
+    summaries = run_ranks(_train_forked, world_size, config, True, VARIANTS, timeout=240)
+    _check_summary(summaries[0], world_size, True, FAST_STEPS)
+    assert summaries[0]["muon_options"] == VARIANTS and summaries[0]["weight_decay"] == VARIANT_WEIGHT_DECAY

@@ -334,7 +334,7 @@ def zeropower_via_newtonschulz(
 
 def _normalised(G: Tensor, dtype: torch.dtype, norm_safety: float, eps: float) -> Tensor:
     """G as [batch, s, l] (tall matrices transposed), each matrix divided by its Frobenius norm
-    times ``norm_safety``, in ``dtype``, contiguous.
+    times ``norm_safety``, in ``dtype``, contiguous; the same numbers whatever G's memory layout.
 
     G is first cast to ``dtype``: exactly the numbers a bf16 all-gather delivers to the owner, so
     parallel and single-device Muon see the same matrix. The norm of that matrix and the division
@@ -343,7 +343,10 @@ def _normalised(G: Tensor, dtype: torch.dtype, norm_safety: float, eps: float) -
     margin. Frobenius norm >= spectral norm, so singular values land in (0, 1 / norm_safety].
     """
     m, n = G.shape[-2:]
-    X = G.to(dtype).reshape(-1, m, n)
+    # Contiguous first: a reduction's rounding depends on the memory layout, and the same matrix
+    # arrives as a strided view on some paths (an owner's zero-copy piece with NorMuon's row-state
+    # columns beside it, an assembled matrix cut from its padding) and contiguous on others.
+    X = G.to(dtype).reshape(-1, m, n).contiguous()
     if m > n:
         X = X.mT
     wide = torch.promote_types(torch.promote_types(G.dtype, dtype), torch.float32)

@@ -154,7 +154,9 @@ def normuon_normalize(o: Tensor, v: Tensor, beta2: float) -> tuple[Tensor, Tenso
     computed in ``v``'s dtype (fp32 state).  Returns ``(Ô, v_new)`` (dion ``normuon.py``;
     arXiv 2510.05491).
     """
-    o = o.to(v.dtype)
+    # Contiguous: a reduction's rounding depends on the memory layout (a tall matrix's Newton–Schulz
+    # result is a transposed view), and every path (local, owner, gather) must round alike.
+    o = o.to(v.dtype).contiguous()
     norm = torch.linalg.vector_norm(o, dim=(-2, -1), keepdim=True)
     v = torch.lerp(v, (o * o).mean(dim=-1, keepdim=True), 1 - beta2)
     hat = o / (v.sqrt() + NORMUON_EPS)
