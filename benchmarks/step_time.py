@@ -14,6 +14,8 @@ gradients, it times ``optimizer.step()`` of
 
   * parallel   this project's Muon, ``distributed_mode="parallel"`` (matrices held by
                several replicas are split over them, ``replica_split="auto"``);
+  * normuon    the same with NorMuon (``normuon_beta2=0.95``): its cost over plain Muon;
+  * cautious   the same with cautious weight decay (``cautious_wd=True``);
   * repeat     the same with ``replica_split="never"``: every replica orthogonalises
                its own copy (the path before the split; only with replicas);
   * classic    the same with ``ns_method="classic"``: the per-shape choice of the
@@ -75,9 +77,20 @@ from optimizer import Muon, QKClipConfig  # noqa: E402
 from optimizer.testing import torch_muon_newton_schulz as torch_muon_ns_dtype  # noqa: E402
 from optimizer.newton_schulz import choose_ns_method, default_compute_dtype, newton_schulz_flops  # noqa: E402
 
-VARIANTS = ("parallel", "repeat", "classic", "gather", "torch", "titan", "adamw")
+VARIANTS = ("parallel", "normuon", "cautious", "repeat", "classic", "gather", "torch", "titan", "adamw")
+# Muon's options per variant of this project's optimizer (the rest are as "parallel").
+OWN_VARIANTS = {
+    "parallel": {},
+    "normuon": {"normuon_beta2": 0.95},
+    "cautious": {"cautious_wd": True},
+    "repeat": {"replica_split": "never"},
+    "classic": {},  # ns_method="classic" in its group
+    "gather": {"distributed_mode": "gather"},
+}
 VARIANT_LABELS = {
     "parallel": "parallel Muon (this project)",
+    "normuon": "parallel NorMuon (beta2 0.95)",
+    "cautious": "parallel Muon, cautious weight decay",
     "repeat": "parallel Muon, replicas repeat the work",
     "classic": "parallel Muon, classic Newton–Schulz only",
     "gather": "gather-everything Muon (this project)",
@@ -196,12 +209,10 @@ def placements_for(kind: str, mesh_names: tuple[str, ...], mesh_shape: tuple[int
 
 def make_optimizer(variant: str, named: list[tuple[str, torch.nn.Parameter]], head_dim: int, qk_clip: bool):
     params = [p for _, p in named]
-    if variant in ("parallel", "repeat", "classic", "gather"):
+    if variant in OWN_VARIANTS:
         groups = [{"params": params, "param_names": [n for n, _ in named], "use_muon": True,
                    "ns_method": "classic" if variant == "classic" else "auto"}]
-        return Muon(groups, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
-                    distributed_mode="gather" if variant == "gather" else "parallel",
-                    replica_split="never" if variant == "repeat" else "auto",
+        return Muon(groups, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, **OWN_VARIANTS[variant],
                     qk_clip=QKClipConfig(head_dim=head_dim, threshold=QK_THRESHOLD) if qk_clip else None)
     if variant == "torch":
         return torch.optim.Muon(params, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
@@ -266,7 +277,7 @@ class VariantRun:
         named = build_params(specs, mesh, mesh_names, args.layout, device, args.seed)
         self.named = named
         self.steps_taken = 0
-        qk = variant in ("parallel", "repeat", "classic", "gather") and not args.no_qk_clip
+        qk = variant in OWN_VARIANTS and not args.no_qk_clip
         self.opt = make_optimizer(variant, named, args.head_dim, qk)
         self.kwargs = {"qk_logits": qk_logits_for(specs, args.head_dim)} if qk else {}
         self.ns_dtype = resolve_torch_muon_dtype(args.torch_muon_dtype, device) if variant == "torch" else None
@@ -451,11 +462,22 @@ def render_markdown(result: dict) -> str:
         lines += ["", f"Newton–Schulz form chosen per shape vs classic only: **{split['time']['median_s'] / classic['time']['median_s']:.2f}x** "
                   f"(medians; paired {1 / classic['paired_ratio_median']:.2f}x); Newton–Schulz "
                   f"{sz['ns_gflop_chosen']:.1f} vs {sz['ns_gflop']:.1f} GFLOP per step."]
+    for v in ("normuon", "cautious"):
+        row = result["results"].get(v, {})
+        if "time" in split and "time" in row:
+            same = all(a["all_to_alls"] == b["all_to_alls"] and a["all_gathers"] == b["all_gathers"]
+                       for a, b in zip(row["stages_per_rank"], split["stages_per_rank"]))
+            extra = sum(a["bytes_sent"] for a in row["stages_per_rank"]) / max(
+                1, sum(b["bytes_sent"] for b in split["stages_per_rank"])) - 1
+            lines += ["", f"{VARIANT_LABELS[v]} vs parallel Muon: **{row['time']['median_s'] / split['time']['median_s']:.3f}x** "
+                      f"(medians; paired {row['paired_ratio_median']:.3f}x); collectives per step "
+                      f"{'the same' if same else 'DIFFERENT'} ({row['stages_per_rank'][0]['all_to_alls']} all-to-alls, "
+                      f"{row['stages_per_rank'][0]['all_gathers']} all-gathers on rank 0), bytes sent {extra:+.2%}."]
     repeat = result["results"].get("repeat", {})
     if "time" in split and "time" in repeat:
         lines += ["", f"Split over replicas vs replicas repeating the work: **{split['time']['median_s'] / repeat['time']['median_s']:.2f}x** "
                   f"(medians; paired {1 / repeat['paired_ratio_median']:.2f}x)."]
-    for v in ("parallel", "repeat", "classic", "gather"):
+    for v in OWN_VARIANTS:
         per_rank = result["results"].get(v, {}).get("stages_per_rank")
         if not per_rank:
             continue

@@ -82,6 +82,11 @@ def test_step_time_fsdp_two_ranks(tmp_path):
         assert st["seconds"]["orthogonalize"] > 0 and st["seconds"]["qk_clip"] > 0
     for st in result["results"]["gather"]["stages_per_rank"]:
         assert st["bytes_received"] == total // 2 * 4
+    # NorMuon and cautious weight decay: the same collectives as Muon; NorMuon's v rides in them
+    for a, b, c in zip(*(result["results"][v]["stages_per_rank"] for v in ("parallel", "normuon", "cautious"))):
+        assert a["all_to_alls"] == b["all_to_alls"] == c["all_to_alls"] and a["all_gathers"] == b["all_gathers"]
+        assert a["bytes_sent"] == c["bytes_sent"] < b["bytes_sent"]
+    assert "parallel NorMuon (beta2 0.95) vs parallel Muon" in md and "collectives per step the same" in md
 
 
 def test_step_time_2d_mesh_from_config(tmp_path):
@@ -127,7 +132,8 @@ def test_peak_memory_stays_within_the_plans_bound(tmp_path):
     import subprocess
 
     script = _BENCH / "peak_memory.py"
-    done = subprocess.run([sys.executable, str(script), "--ranks", "2", "--experts", "4", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, str(script), "--ranks", "2", "--experts", "4", "--deviation-steps", "3",
+                           "--out", str(tmp_path)],
                           timeout=120, capture_output=True, text=True)
     rows = json.loads((tmp_path / "peak_memory.json").read_text())
     assert len(rows) == 2 and all(0 < r["peak"] <= r["bound"] for r in rows), rows
