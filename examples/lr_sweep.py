@@ -4,15 +4,21 @@
         [--jobs 2] [--out examples/results/lr_sweep.json]
 
 Trains the main job's model on the main job's data with each optimizer
-("muon": Muon + AdamW for non-matrix parameters, QK-clip as configured; "adamw":
+("muon": Muon + AdamW for non-matrix parameters, QK-clip as configured; "normuon":
+the same with NorMuon, beta2 ``examples.train.NORMUON_BETA2``; "adamw":
 torch.optim.AdamW for everything) at every learning rate of one shared grid,
 with everything else exactly as in the main job (init, batches, steps, warmup,
 cosine schedule, weight decay, QK-clip threshold), and picks for each optimizer
 the learning rate with the lowest final validation loss.  The result goes to
 ``--out`` (JSON, with the command, the grid, every run's validation curve and
 step time, the corpus fingerprint and the hardware) and a Markdown table next to
-it; ``configs/main.toml`` then takes ``[train] lr`` (Muon) and ``[compare]
-adamw_lr`` from it (``tests/end_to_end/test_main_job.py`` checks that they agree).
+it; ``configs/main.toml`` then takes ``[train] lr`` (Muon), ``[compare] normuon_lr``
+and ``[compare] adamw_lr`` from it (``tests/end_to_end/test_main_job.py`` checks that
+they agree).
+
+``--merge OLD.json`` keeps OLD's results for the optimizers this sweep does not run
+(same grid, settings and corpus required), so that one optimizer can be re-swept
+when only its code changed; the record says which results came from where.
 
 Each run is a single process: the optimizer's arithmetic on one device is the
 same as on the mesh (that is what the main job's agreement check verifies), the
@@ -45,7 +51,7 @@ DEFAULT_OUT = os.path.join(ROOT, "examples", "results", "lr_sweep.json")
 # Factors of 2 around the usual range for both (Muon's matched-RMS learning rate
 # is on AdamW's scale).
 DEFAULT_LRS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032)
-OPTIMIZERS = ("muon", "adamw")
+OPTIMIZERS = ("muon", "normuon", "adamw")
 
 
 def single_process(cfg: RunConfig) -> RunConfig:
@@ -60,9 +66,10 @@ def run_one(config_path: str, optimizer: str, lr: float, steps: int | None) -> d
     from examples.train import train
 
     torch.set_num_threads(1)
+    uses_qk_clip = optimizer != "adamw"
     cfg = single_process(load_config(config_path))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=lr))
-    s = train(cfg, steps=steps, use_qk_clip=(optimizer == "muon" and cfg.qk_clip.enabled), optimizer=optimizer,
+    s = train(cfg, steps=steps, use_qk_clip=(uses_qk_clip and cfg.qk_clip.enabled), optimizer=optimizer,
               check_steps=0, label=f"{optimizer}@{lr:g}", log=lambda *_: None)
     final = s["evals"][-1]["val_loss"]
     return {
@@ -116,7 +123,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="override [train] steps")
     ap.add_argument("--jobs", type=int, default=2, help="runs side by side (one thread each)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="JSON record; a .md table is written next to it")
+    ap.add_argument("--merge", default=None,
+                    help="an earlier record whose results for the optimizers not swept now are kept")
     return ap.parse_args(argv)
+
+
+def sweep_settings(cfg: RunConfig, steps: int | None) -> dict:
+    """What every point of a sweep shares (the record's ``settings``)."""
+    from examples.train import NORMUON_BETA2
+
+    return {"steps": steps or cfg.train.steps, **{k: dataclasses.asdict(v) for k, v in (
+        ("model", cfg.model), ("train", cfg.train), ("data", cfg.data), ("qk_clip", cfg.qk_clip))},
+        "normuon_beta2": NORMUON_BETA2}
+
+
+def merged(old: dict, optimizers: list[str], grid: list[float], settings: dict) -> tuple[list[dict], dict]:
+    """``old``'s results for the optimizers not in ``optimizers`` (refused if its grid or settings
+    differ), and where they came from."""
+    if old["grid"] != grid:
+        raise ValueError(f"--merge: its grid {old['grid']} is not this sweep's {grid}")
+    def comparable(v, key):  # the sweep varies the lr: the config's own lr is not a setting of it
+        return {k: x for k, x in v.items() if k != "lr"} if key == "train" else v
+
+    differ = sorted(k for k in settings if k in old["settings"]
+                    and comparable(old["settings"][k], k) != comparable(settings[k], k))
+    if differ:
+        raise ValueError(f"--merge: its settings differ from this sweep's in {differ}")
+    kept = [o for o in old["optimizers"] if o not in optimizers]
+    results = [r for r in old["results"] if r["optimizer"] in kept]
+    source = {"command": old["command"], "hardware": old["hardware"], "wall_s": old["wall_s"]}
+    return results, {o: old.get("sources", {}).get(o, source) for o in kept}
 
 
 def main(argv=None) -> int:
@@ -139,9 +175,21 @@ def main(argv=None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
 
+    settings = sweep_settings(cfg, args.steps)
+    kept, sources, old_corpus = [], {}, None
+    if args.merge:
+        try:
+            with open(args.merge) as f:
+                old = json.load(f)
+            kept, sources = merged(old, optimizers, grid, settings)
+            old_corpus = old["corpus"]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     points = [(o, lr) for o in optimizers for lr in grid]
     print(f"sweeping {len(points)} runs ({', '.join(optimizers)} x lr {', '.join(f'{x:g}' for x in grid)}) "
-          f"of {args.steps or cfg.train.steps} steps, {args.jobs} at a time")
+          f"of {args.steps or cfg.train.steps} steps, {args.jobs} at a time"
+          + (f"; keeping {', '.join(sources)} from {args.merge}" if sources else ""))
     start = time.perf_counter()
     results = []
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no state shared with this one
@@ -152,23 +200,33 @@ def main(argv=None) -> int:
             r = fut.result()
             results.append(r)
             v = r["final_val_loss"]
-            print(f"  {r['optimizer']:>5} lr {r['lr']:<7g} final val loss "
+            print(f"  {r['optimizer']:>7} lr {r['lr']:<7g} final val loss "
                   f"{'diverged' if v is None else f'{v:.4f}'}  ({r['mean_step_time_s'] * 1e3:.0f} ms/step)")
-    results.sort(key=lambda r: (optimizers.index(r["optimizer"]), r["lr"]))
+    command = " ".join(["python", "examples/lr_sweep.py", *(argv if argv is not None else sys.argv[1:])])
+    hardware = {k: v for k, v in report.hardware().items() if k != "threads_per_rank"} | {
+        "jobs": args.jobs, "threads_per_run": 1}
+    wall_s = time.perf_counter() - start
+    everyone = [o for o in OPTIMIZERS if o in optimizers or o in sources]
+    corpus = results[0]["corpus"]
+    if sources and old_corpus != corpus:
+        print(f"error: --merge: {args.merge} was trained on another corpus ({old_corpus}, now {corpus})",
+              file=sys.stderr)
+        return 2
+    results = [{k: v for k, v in r.items() if k != "corpus"} for r in results] + kept
+    results.sort(key=lambda r: (everyone.index(r["optimizer"]), r["lr"]))
     record = {
-        "command": " ".join(["python", "examples/lr_sweep.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": command,
         "config": os.path.relpath(os.path.abspath(args.config), ROOT),
-        "settings": {"steps": args.steps or cfg.train.steps, **{k: dataclasses.asdict(v) for k, v in (
-            ("model", cfg.model), ("train", cfg.train), ("data", cfg.data), ("qk_clip", cfg.qk_clip))}},
+        "settings": settings,
         "criterion": "lowest validation loss after the last step",
         "grid": grid,
-        "optimizers": optimizers,
+        "optimizers": everyone,
         "best": best_lrs(results, grid),
-        "results": [{k: v for k, v in r.items() if k != "corpus"} for r in results],
-        "corpus": results[0]["corpus"],
-        "hardware": {k: v for k, v in report.hardware().items() if k != "threads_per_rank"}
-        | {"jobs": args.jobs, "threads_per_run": 1},
-        "wall_s": time.perf_counter() - start,
+        "results": results,
+        "corpus": corpus,
+        "hardware": hardware,
+        "wall_s": wall_s,
+        "sources": {**sources, **{o: {"command": command, "hardware": hardware, "wall_s": wall_s} for o in optimizers}},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

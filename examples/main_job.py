@@ -1,4 +1,4 @@
-"""The main job: Muon against AdamW on real text, on a sharded mesh, checked against one device.
+"""The main job: Muon, NorMuon and AdamW on real text, on a sharded mesh, checked against one device.
 
     torchrun --nproc-per-node 4 examples/main_job.py [--config configs/main.toml]
         [--steps N] [--out-dir runs/main_job] [--tolerance 1e-5]
@@ -6,26 +6,28 @@
 (``scripts/demo.sh`` runs exactly this.)  The example transformer learns to
 predict the next byte of the CPython standard library's source and docs
 (``examples/data.py``) on the config's mesh (FSDP2 over TP on 4 ranks for
-``configs/main.toml``), twice, with the same model init, batches, steps and
+``configs/main.toml``), three times, with the same model init, batches, steps and
 learning-rate schedule:
 
 1. **Muon** for the hidden matrices, AdamW for the rest, QK-clip per
    ``[qk_clip]`` (on in ``configs/main.toml``), at ``[train] lr``.  Its first ``[compare] check_steps`` steps run in lockstep with
    single-device Muon on rank 0 fed the same full gradients and ``qk_logits``;
    the largest deviation of any parameter is reported.
-2. **AdamW** (``torch.optim.AdamW``) for every parameter at ``[compare] adamw_lr``.
+2. **NorMuon** (Muon with ``normuon_beta2=0.95``, ``examples.train.NORMUON_BETA2``), the same
+   otherwise, at ``[compare] normuon_lr`` (no such run without it), checked the same way.
+3. **AdamW** (``torch.optim.AdamW``) for every parameter at ``[compare] adamw_lr``.
 
-The two runs take turns, one step each, so that a busy machine slows both alike
+The runs take turns, one step each, so that a busy machine slows them alike
 and their step times can be compared.
 
-Both learning rates are the best of the sweep recorded in
+The learning rates are the best of the sweep recorded in
 ``examples/results/lr_sweep.json`` (``examples/lr_sweep.py``).  Rank 0 prints a
 line every ``log_every`` steps, then a table (validation loss at equal steps and
 at equal training seconds, step time, tokens/s, QK-clip, the agreement check),
 and writes to ``--out-dir``: ``main_job.png`` (loss against steps and against
 seconds), ``main_job.md`` (the table) and ``main_job.json`` (everything).
 
-Exit status 1 when the Muon run deviates from single-device Muon by more than
+Exit status 1 when the Muon or NorMuon run deviates from single-device Muon by more than
 ``--tolerance`` or a run's training or validation loss did not fall; 2 on a bad
 config or argument.
 """
@@ -50,11 +52,11 @@ if __package__ in (None, ""):  # run as a script: make `examples` and `optimizer
 
 from examples import report  # noqa: E402
 from examples.config import ConfigError, RunConfig, load_config  # noqa: E402
-from examples.train import DEFAULT_TOLERANCE, Run, check  # noqa: E402
+from examples.train import DEFAULT_TOLERANCE, NORMUON_BETA2, Run, check  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "main.toml")
-MUON_LABEL, ADAMW_LABEL = "Muon", "AdamW"
+MUON_LABEL, NORMUON_LABEL, ADAMW_LABEL = "Muon", "NorMuon", "AdamW"
 
 
 def with_lr(cfg: RunConfig, lr: float) -> RunConfig:
@@ -62,22 +64,28 @@ def with_lr(cfg: RunConfig, lr: float) -> RunConfig:
 
 
 def compare(cfg: RunConfig, steps: int | None = None, log=print) -> dict[str, dict]:
-    """Train the Muon run and the AdamW run on this rank, taking turns step by step
-    (so that both see the same machine load); their summaries by label.
+    """Train the Muon run, the NorMuon run (with ``[compare] normuon_lr``) and the AdamW run on
+    this rank, taking turns step by step (so that all see the same machine load); their
+    summaries by label.
 
     Collective: every rank of the config's world must call it.
     """
     qk = f"QK-clip at {cfg.qk_clip.threshold:g}" if cfg.qk_clip.enabled else "QK-clip off"
     log(f"{MUON_LABEL}: Muon for matrices + AdamW for the rest, {qk}, lr {cfg.train.lr:g}; its first "
         f"{cfg.compare.check_steps} steps are checked against single-device Muon")
+    normuon = cfg.compare.normuon_lr is not None
+    if normuon:
+        log(f"{NORMUON_LABEL}: the same with NorMuon (beta2 {NORMUON_BETA2:g}), lr {cfg.compare.normuon_lr:g}, also "
+            "checked against single-device Muon")
     log(f"{ADAMW_LABEL}: torch.optim.AdamW for every parameter, lr {cfg.compare.adamw_lr:g}")
-    log("(the two runs take turns, a step each)")
-    runs = [
-        Run(cfg, steps, cfg.qk_clip.enabled, log=log, optimizer="muon", check_steps=cfg.compare.check_steps,
-            label=MUON_LABEL),
-        Run(with_lr(cfg, cfg.compare.adamw_lr), steps, False, log=log, optimizer="adamw", check_steps=0,
-            label=ADAMW_LABEL),
-    ]
+    log(f"(the {'three' if normuon else 'two'} runs take turns, a step each)")
+    runs = [Run(cfg, steps, cfg.qk_clip.enabled, log=log, optimizer="muon", check_steps=cfg.compare.check_steps,
+                label=MUON_LABEL)]
+    if normuon:
+        runs.append(Run(with_lr(cfg, cfg.compare.normuon_lr), steps, cfg.qk_clip.enabled, log=log,
+                        optimizer="normuon", check_steps=cfg.compare.check_steps, label=NORMUON_LABEL))
+    runs.append(Run(with_lr(cfg, cfg.compare.adamw_lr), steps, False, log=log, optimizer="adamw", check_steps=0,
+                    label=ADAMW_LABEL))
     while not all(r.done for r in runs):
         for r in runs:
             if not r.done:
@@ -86,12 +94,12 @@ def compare(cfg: RunConfig, steps: int | None = None, log=print) -> dict[str, di
 
 
 def acceptance_problems(runs: dict[str, dict], tolerance: float) -> list[str]:
-    """Why the job failed (empty when it passed): the Muon run must have been
+    """Why the job failed (empty when it passed): the Muon (and NorMuon) run must have been
     checked against single-device Muon and be within ``tolerance``; every run's
     training and validation loss must have fallen."""
     problems = []
     for label, s in runs.items():
-        problems += check(s, tolerance, require_reference=(s["optimizer"] == "muon"))
+        problems += check(s, tolerance, require_reference=(s["optimizer"] != "adamw"))
         if len(s["evals"]) < 2:
             problems.append(f"{label}: validation loss was measured {len(s['evals'])} times; "
                             "set [train] eval_every so that it is measured during training")
@@ -187,14 +195,16 @@ def main(argv=None) -> int:
             paths = write_outputs(runs, cfg, args.out_dir, args.tolerance, command, wall_s)
             print()
             print(report.text_table(report.comparison_rows(runs, args.tolerance)))
-            print(f"\n{wall_s:.0f} s for both runs; figure {paths['png']}, table {paths['md']}, "
+            print(f"\n{wall_s:.0f} s for the {len(runs)} runs; figure {paths['png']}, table {paths['md']}, "
                   f"summary {paths['json']}")
             for p in problems:
                 print(f"CHECK FAILED: {p}")
             if not problems:
-                print(f"passed: Muon on {world} ranks matches single-device Muon over its first "
-                      f"{runs[MUON_LABEL]['check_steps']} steps (max deviation "
-                      f"{runs[MUON_LABEL]['max_param_deviation']:.1e} <= {args.tolerance:g}); both losses fell")
+                checked = [label for label, s in runs.items() if s["check_steps"]]
+                worst = max(runs[label]["max_param_deviation"] for label in checked)
+                print(f"passed: {' and '.join(checked)} on {world} ranks match single-device Muon over their first "
+                      f"{runs[MUON_LABEL]['check_steps']} steps (max deviation {worst:.1e} <= {args.tolerance:g}); "
+                      "every loss fell")
         if launched:
             dist.barrier()  # tear down together (see examples/train.py)
     finally:

@@ -216,7 +216,7 @@ def update_readme(readme_path: str, results_dir: str) -> None:
     hw = job["hardware"]
     hardware = (f"Hardware: {hw['cpu']}, {hw['cpu_count']} cores, {hw['platform']}; torch {hw['torch']}, "
                 f"CPython {hw['python']}; gloo, {job['world_size']} ranks with {hw['threads_per_rank']} thread "
-                f"each. Both runs together took {job['job_wall_s']:.0f} s.")
+                f"each. The {len(job['runs'])} runs together took {job['job_wall_s']:.0f} s.")
     with open(readme_path) as f:
         text = f.read()
     text = _replace_block(text, "main-job-table", markdown_table(comparison_rows(job["runs"], job["tolerance"])))

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from examples import data, report
 from examples.config import ConfigError, build_config, load_config
 from examples.model import ModelArgs, build_model
-from examples.train import COSINE_FLOOR, lr_multiplier
+from examples.train import COSINE_FLOOR, NORMUON_BETA2, lr_multiplier
 from harness import run_ranks
 from repo import REPO
 
@@ -80,6 +80,7 @@ threshold = 3.0
 
 [compare]
 adamw_lr = 0.01
+normuon_lr = 0.015
 check_steps = 4
 """
 
@@ -106,8 +107,8 @@ def test_main_job_tiny_under_torchrun(tiny_config, tmp_path):
 
     # a screen a person can read: no framework warnings, one line per log_every steps, a table
     assert "Warning" not in log and "returned a view tensor" not in log, log[-8000:]
-    assert len(re.findall(r"^\s*Muon step\s+\d+/30", proc.stdout, re.M)) == 3, proc.stdout
-    assert len(re.findall(r"^\s*AdamW step\s+\d+/30", proc.stdout, re.M)) == 3, proc.stdout
+    for label in ("Muon", "NorMuon", "AdamW"):
+        assert len(re.findall(rf"^\s*{label} step\s+\d+/30", proc.stdout, re.M)) == 3, proc.stdout
     assert "val loss @ step 30" in proc.stdout and "passed:" in proc.stdout
 
     png = (out_dir / "main_job.png").read_bytes()
@@ -116,26 +117,28 @@ def test_main_job_tiny_under_torchrun(tiny_config, tmp_path):
 
     height, width, _ = matplotlib.image.imread(str(out_dir / "main_job.png")).shape
     assert width > 800 and height > 300
-    assert (out_dir / "main_job.md").read_text().startswith("|  | Muon | AdamW |")
+    assert (out_dir / "main_job.md").read_text().startswith("|  | Muon | NorMuon | AdamW |")
 
     summary = json.loads((out_dir / "main_job.json").read_text())
     runs = summary["runs"]
-    assert list(runs) == ["Muon", "AdamW"]
-    muon, adamw = runs["Muon"], runs["AdamW"]
-    for s in (muon, adamw):
+    assert list(runs) == ["Muon", "NorMuon", "AdamW"]
+    muon, normuon, adamw = runs["Muon"], runs["NorMuon"], runs["AdamW"]
+    for s in (muon, normuon, adamw):
         assert s["steps"] == 30 and len(s["losses"]) == 30 and len(s["step_times_s"]) == 30
         assert [e["step"] for e in s["evals"]] == [0, 10, 20, 30]
         assert s["evals"][-1]["val_loss"] < s["evals"][0]["val_loss"] - 0.5  # clearly learned
         assert s["last_loss"] < s["first_loss"]
         assert s["world_size"] == 4 and s["mesh"] == {"dp_shard": 2, "tp": 2}
         assert s["corpus"]["python"] == sys.version.split()[0]
-    # the agreement check ran over the Muon run's first steps and passed; AdamW had none
-    assert muon["check_steps"] == 4 and muon["max_param_deviation"] is not None
-    assert muon["max_param_deviation"] <= summary["tolerance"] == 1e-5
+    # the agreement check ran over the Muon and NorMuon runs' first steps and passed; AdamW had none
+    for s in (muon, normuon):
+        assert s["check_steps"] == 4 and s["max_param_deviation"] is not None
+        assert s["max_param_deviation"] <= summary["tolerance"] == 1e-5
+    assert normuon["muon_options"] == {"normuon_beta2": 0.95} and muon["muon_options"] == {}
     assert len(muon["param_deviation"]) == len(list(build_model(load_config(tiny_config).model, 0).parameters()))
     assert adamw["check_steps"] == 0 and adamw["max_param_deviation"] is None
     assert muon["qk_clip"] and sum(muon["heads_clipped"]) > 0 and not adamw["qk_clip"]
-    assert muon["lr"] == 0.02 and adamw["lr"] == 0.01
+    assert muon["lr"] == 0.02 and adamw["lr"] == 0.01 and normuon["lr"] == 0.015
     assert summary["hardware"]["torch"] == torch.__version__
 
 
@@ -151,7 +154,7 @@ def _compare_with_faults(rank, world_size, config_path):
 
     def make(model, cfg_, *args):
         made.append(model)
-        if len(made) == 2:  # rank 0's single-device reference
+        if len(made) == 2 and rank == 0:  # rank 0's single-device reference of the Muon run
             cfg_ = dataclasses.replace(cfg_, train=dataclasses.replace(cfg_.train, lr=cfg_.train.lr * 1.001))
         return original(model, cfg_, *args)
 
@@ -316,6 +319,8 @@ def test_lr_multiplier_by_hand():
     ("train", "warmup_steps", -1, r"train.warmup_steps: must be >= 0"),
     ("compare", "adamw_lr", 0, r"compare.adamw_lr: must be > 0"),
     ("compare", "check_steps", -2, r"compare.check_steps: must be >= 0"),
+    ("compare", "normuon_lr", 0, r"compare.normuon_lr: must be > 0"),
+    ("compare", "normuon_lr", "0.01", r"compare.normuon_lr: expected float or int"),
     ("data", "val_sequences", 7, r"data.val_sequences: 7 is not divisible by the 2"),
     ("compare", "lr", 0.1, r"compare.lr: unknown key"),
 ])
@@ -404,13 +409,28 @@ def test_lr_sweep_tiny(tiny_config, tmp_path):
                  "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["grid"] == [0.003, 0.03] and record["settings"]["steps"] == 10
-    for opt in ("muon", "adamw"):
+    for opt in ("muon", "normuon", "adamw"):
         runs = [r for r in record["results"] if r["optimizer"] == opt]
         assert sorted(r["lr"] for r in runs) == [0.003, 0.03]
         best = min(runs, key=lambda r: r["final_val_loss"])
         assert record["best"][opt]["lr"] == best["lr"] and record["best"][opt]["at_edge"]
         assert all(r["evals"][-1]["step"] == 10 for r in runs)
-    assert (tmp_path / "sweep.md").read_text().startswith("| lr | muon | adamw |")
+    assert (tmp_path / "sweep.md").read_text().startswith("| lr | muon | normuon | adamw |")
+    assert record["settings"]["normuon_beta2"] == 0.95
+    # one optimizer re-swept, the others' results kept from the earlier record (and said so)
+    again = tmp_path / "again.json"
+    assert main(["--config", tiny_config, "--lrs", "0.003,0.03", "--steps", "10", "--jobs", "2", "--optimizers",
+                 "adamw", "--merge", str(out), "--out", str(again)]) == 0
+    merged = json.loads(again.read_text())
+    assert merged["optimizers"] == ["muon", "normuon", "adamw"]
+    assert [r for r in merged["results"] if r["optimizer"] != "adamw"] == \
+        [r for r in record["results"] if r["optimizer"] != "adamw"]
+    assert merged["sources"]["muon"]["command"] == record["command"] != merged["sources"]["adamw"]["command"]
+    # deterministic: the re-swept AdamW runs found the same losses
+    assert [r["final_val_loss"] for r in merged["results"] if r["optimizer"] == "adamw"] == \
+        [r["final_val_loss"] for r in record["results"] if r["optimizer"] == "adamw"]
+    assert main(["--config", tiny_config, "--lrs", "0.003", "--steps", "10", "--optimizers", "adamw",
+                 "--merge", str(out), "--out", str(tmp_path / "bad.json")]) == 2  # another grid
 
 
 def test_best_lrs_skips_diverged_runs():
@@ -451,7 +471,9 @@ def test_main_config_uses_the_recorded_sweep():
     assert sweep["config"] == "configs/main.toml"
     assert cfg.train.lr == sweep["best"]["muon"]["lr"]
     assert cfg.compare.adamw_lr == sweep["best"]["adamw"]["lr"]
-    assert not sweep["best"]["muon"]["at_edge"] and not sweep["best"]["adamw"]["at_edge"]
+    assert cfg.compare.normuon_lr == sweep["best"]["normuon"]["lr"]
+    assert not any(sweep["best"][o]["at_edge"] for o in ("muon", "normuon", "adamw"))
+    assert sweep["settings"]["normuon_beta2"] == NORMUON_BETA2
     # the sweep ran the main job's settings (all but the learning rate it varies)
     settings = sweep["settings"]
     assert settings["steps"] == cfg.train.steps
@@ -460,8 +482,8 @@ def test_main_config_uses_the_recorded_sweep():
         {k: v for k, v in dataclasses.asdict(cfg.train).items() if k != "lr"}
     assert settings["data"] == dataclasses.asdict(cfg.data)
     assert settings["qk_clip"] == dataclasses.asdict(cfg.qk_clip)
-    assert set(sweep["optimizers"]) == {"muon", "adamw"}
-    assert len(sweep["results"]) == len(sweep["grid"]) * 2
+    assert sweep["optimizers"] == ["muon", "normuon", "adamw"]
+    assert len(sweep["results"]) == len(sweep["grid"]) * 3
 
 
 def test_readme_shows_the_recorded_main_job():
@@ -473,8 +495,11 @@ def test_readme_shows_the_recorded_main_job():
     assert_recorded_settings(recorded_cfg["model"], cfg.model)
     assert_recorded_settings(recorded_cfg.get("muon"), cfg.muon)
     runs = summary["runs"]
-    assert runs["Muon"]["max_param_deviation"] <= summary["tolerance"]
-    assert runs["Muon"]["check_steps"] == cfg.compare.check_steps
+    assert list(runs) == ["Muon", "NorMuon", "AdamW"]
+    for label in ("Muon", "NorMuon"):
+        assert runs[label]["max_param_deviation"] <= summary["tolerance"]
+        assert runs[label]["check_steps"] == cfg.compare.check_steps
+    assert runs["NorMuon"]["muon_options"] == {"normuon_beta2": NORMUON_BETA2}
     # README's table is the one computed from the recorded runs
     table = report.markdown_table(report.comparison_rows(runs, summary["tolerance"]))
     with open(os.path.join(ROOT, "README.md")) as f:
