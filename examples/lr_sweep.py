@@ -137,16 +137,28 @@ def sweep_settings(cfg: RunConfig, steps: int | None) -> dict:
         "normuon_beta2": NORMUON_BETA2}
 
 
+def _same(section: str, old, new) -> bool:
+    """A recorded settings section equals today's: the same values for what it recorded (the lr
+    aside: the sweep varies it), and what was added to the section since at its default, which is
+    what the earlier runs had (the examples' later features default to the old behaviour)."""
+    if not isinstance(old, dict):
+        return old == new
+    from examples.config import DataConfig, QKClipSettings, TrainConfig
+    from examples.model import ModelArgs
+
+    defaults = dataclasses.asdict({"model": ModelArgs, "train": TrainConfig, "data": DataConfig,
+                                   "qk_clip": QKClipSettings}[section]())
+    skip = {"lr"} if section == "train" else set()
+    return set(old) <= set(new) and all(old[k] == new[k] for k in old if k not in skip) and \
+        all(new[k] == defaults[k] for k in set(new) - set(old))
+
+
 def merged(old: dict, optimizers: list[str], grid: list[float], settings: dict) -> tuple[list[dict], dict]:
     """``old``'s results for the optimizers not in ``optimizers`` (refused if its grid or settings
     differ), and where they came from."""
     if old["grid"] != grid:
         raise ValueError(f"--merge: its grid {old['grid']} is not this sweep's {grid}")
-    def comparable(v, key):  # the sweep varies the lr: the config's own lr is not a setting of it
-        return {k: x for k, x in v.items() if k != "lr"} if key == "train" else v
-
-    differ = sorted(k for k in settings if k in old["settings"]
-                    and comparable(old["settings"][k], k) != comparable(settings[k], k))
+    differ = sorted(k for k in settings if k in old["settings"] and not _same(k, old["settings"][k], settings[k]))
     if differ:
         raise ValueError(f"--merge: its settings differ from this sweep's in {differ}")
     kept = [o for o in old["optimizers"] if o not in optimizers]
