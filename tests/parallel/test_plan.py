@@ -110,3 +110,29 @@ def test_every_rank_sees_the_same_world_and_bytes_balance(split):
         mine = sorted((j.param, j.shape) for jobs, _ in world for j in jobs if j.owner == rank)
         got = sorted((o.param, o.shape) for c in plan.chunks for o in c.owned)
         assert got == mine, rank
+
+
+def test_row_state_widens_every_block_and_nothing_else():
+    """NorMuon's v travels as ``k`` more columns of every block (one fp32 value per row: k = 1 on
+    an fp32 wire, 2 on a bf16 one): the owners, chunks and zero-copy jobs stay as they were, and
+    every buffer grows by exactly the rows the blocks carry."""
+    import dataclasses
+
+    specs = [("a", (12, 8), Shard(0)), ("b", (10, 6), Shard(1)), ("e", (4, 8, 6), Shard(1)), ("c", (9, 5), Shard(0))]
+    for wire, k in ((torch.float32, 1), (torch.bfloat16, 2)):
+        plain = [dataclasses.replace(p, wire_dtype=wire) for p in _params(4, specs)]
+        with_v = [dataclasses.replace(p, row_bytes=4) for p in plain]
+        for rank in range(4):
+            a, b = build_plan(plain, rank, PlanSettings()), build_plan(with_v, rank, PlanSettings())
+            assert len(a.chunks) == len(b.chunks) and a.jobs == b.jobs and a.owned == b.owned
+            for ca, cb in zip(a.chunks, b.chunks):
+                assert [o.zero_copy for o in ca.owned] == [o.zero_copy for o in cb.owned]
+                assert [(o.param, o.shape) for o in ca.owned] == [(o.param, o.shape) for o in cb.owned]
+                for pa, pb in zip(ca.packs, cb.packs):
+                    assert pb.padded == (*pa.padded[:-1], pa.padded[-1] + k) and pb.mine == pa.mine
+                    assert pb.row_slots == k and pa.row_slots == 0
+                # each member's segment grows by k slots per padded row of every block it carries
+                extra = sum(math.prod(p.padded[:-1]) * k for p in ca.packs)
+                assert sum(cb.send_splits) - sum(ca.send_splits) == extra
+                for o in cb.owned:
+                    assert o.row_slots == k and (o.write[-1] is None or o.write[-1].shape[-1] == o.padded[-1] - k)
