@@ -36,8 +36,9 @@ ADAMW_PATTERN = (
     r"|\.bias$"
 )
 
-MUON_GROUP_KEYS = frozenset({"lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr"})
-ADAMW_GROUP_KEYS = frozenset({"lr", "weight_decay", "betas", "eps"})
+MUON_GROUP_KEYS = frozenset({"lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr",
+                             "normuon_beta2", "cautious_wd", "momentum_dtype"})
+ADAMW_GROUP_KEYS = frozenset({"lr", "weight_decay", "betas", "eps", "cautious_wd"})
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
