@@ -256,8 +256,9 @@ class Run:
     def _make_optimizer(self, model):
         # module-level names looked up at call time, so that tests can wrap make_optimizer
         if self.optimizer != "adamw":
-            return make_optimizer(model, self.cfg, self.use_qk_clip, self.distributed_mode, self.compute_dtype,
-                                  self.muon_options)
+            args = (model, self.cfg, self.use_qk_clip, self.distributed_mode, self.compute_dtype)
+            # the variants' keywords only when there are some (callers may wrap make_optimizer)
+            return make_optimizer(*args, muon_options=self.muon_options) if self.muon_options else make_optimizer(*args)
         return make_adamw(model, self.cfg)
 
     def _make_schedule(self, opt):
