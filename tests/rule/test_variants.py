@@ -298,9 +298,8 @@ def _factor_first(matrix, blocks, orthogonalize, adjust_lr_mode, v, beta2):
 original_in_blocks = rule._in_blocks
 
 
-def _wrong_mask_sign(param, update, lr, weight_decay):
-    keep = torch.tensor(1 - lr * weight_decay, dtype=param.dtype)
-    return torch.where(param * update <= 0, keep, torch.ones((), dtype=param.dtype))
+def _wrong_mask_sign(param, update):
+    return torch.mul(param, update).le_(0)
 
 
 @pytest.mark.parametrize("breakage", ["mean over the wrong dim", "lr factor before NorMuon", "mask sign"])
@@ -314,7 +313,7 @@ def test_the_comparisons_catch_a_broken_rule(monkeypatch, breakage):
     elif breakage == "lr factor before NorMuon":
         monkeypatch.setattr(rule, "_in_blocks", _factor_first)
     else:
-        monkeypatch.setattr(rule, "decay_factor", _wrong_mask_sign)
+        monkeypatch.setattr(rule, "cautious_mask", _wrong_mask_sign)
     w, state = ours(w0, gs, normuon_beta2=0.9, cautious_wd=True, blocks=blocks, weight_decay=0.5)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(w, ref.w, atol=ATOL, rtol=0)

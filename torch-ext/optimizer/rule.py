@@ -105,15 +105,11 @@ def nesterov_input_(out: Tensor, grad: Tensor, buf: Tensor, momentum: float, nes
     return torch.lerp(grad, buf, momentum, out=out)
 
 
-def decay_factor(param: Tensor, update: Tensor, lr: float | Tensor, weight_decay: float) -> Tensor:
-    """Cautious weight decay's per-element factor: ``1 - lr * wd`` where ``param * update >= 0``
-    (the parameter and the step it takes, ``-update``, point opposite ways: decay and update agree
-    in direction), ``1`` elsewhere (dion's mask ``min(sign(W U) + 1, 1)``; arXiv 2510.12402)."""
-    dtype = torch.promote_types(param.dtype, torch.float32)  # as mul_ by a Python scalar computes
-    keep = 1 - lr * weight_decay
-    # fills on the device (no host-to-device copy of a Python scalar)
-    keep = keep.to(device=param.device, dtype=dtype) if isinstance(keep, Tensor) else param.new_full((), keep, dtype=dtype)
-    return torch.where(param * update >= 0, keep, param.new_ones((), dtype=dtype))
+def cautious_mask(param: Tensor, update: Tensor) -> Tensor:
+    """Cautious weight decay's mask: 1 where ``param * update >= 0`` (the parameter and the step it
+    takes, ``-update``, point opposite ways: decay and update agree in direction), 0 elsewhere
+    (dion's ``min(sign(W U) + 1, 1)``; arXiv 2510.12402), as a float tensor (one buffer, in place)."""
+    return torch.mul(param, update).ge_(0)
 
 
 def apply_update_(
@@ -125,12 +121,16 @@ def apply_update_(
     Weight decay uses ``lr`` (not ``adjusted_lr``) exactly as torch.optim.Muon does. ``update``
     may be in a lower precision than ``param`` (bf16 NS output); ``add_`` promotes it.  ``lr``
     may be a 0-d tensor (schedulers, compiled steps): it is used as a tensor, never read.
-    ``cautious``: decay only where ``param * update >= 0`` (:func:`decay_factor`), with
+    ``cautious``: decay only where ``param * update >= 0`` (:func:`cautious_mask`), with
     ``update`` the direction actually applied (after NorMuon and a row block's lr factor: both
     positive scalings per row or block, so the sign is that of the orthogonalised update).
     """
-    if weight_decay != 0 and cautious:
-        param.mul_(decay_factor(param, update, lr, weight_decay))
+    if weight_decay != 0 and cautious:  # p -= lr wd p [p u >= 0]: three passes over the piece
+        mask = cautious_mask(param, update)
+        if isinstance(lr, Tensor):
+            param.addcmul_(param, mask.mul_(lr.to(mask.device, mask.dtype) * weight_decay), value=-1)
+        else:
+            param.addcmul_(param, mask, value=-lr * weight_decay)
     elif weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
     if isinstance(adjusted_lr, Tensor):
