@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from . import settings as options
 from . import state_layout
 from .adamw import adamw_group_step_
-from .checks import GROUPS_HELP, check_group_params, param_problem
+from .checks import check_group_params, param_problem
 from .distributed import groups
 from .parallel.stats import PipelineStats
 from .qk_clip import QKClipReport, log_report
@@ -60,8 +60,8 @@ class Muon(Optimizer):
     creates process groups.
     """
 
-    def __init__(self, params, **kwargs):
-        self.settings, self.group_defaults = options.from_constructor(kwargs)
+    def __init__(self, params, *args, **kwargs):
+        self.settings, self.group_defaults = options.from_constructor(args, kwargs)
         #: the last step's QK-clip record (heads clipped and max logit per layer), or None
         self.qk_clip_report: QKClipReport | None = None
         #: True when the last step was skipped (skip_nonfinite and a non-finite gradient)
@@ -82,12 +82,21 @@ class Muon(Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``, with every option checked; a refused group leaves the
-        optimizer as it was."""
-        if not isinstance(param_group, dict) or "use_muon" not in param_group:
-            raise ValueError("Muon: a param group has no `use_muon` key. " + GROUPS_HELP)
+        optimizer as it was.  A group without ``use_muon`` (torch-style, as a plain list of tensors
+        becomes) is added as up to two groups: its matrices (2-D, and 3-D expert stacks) to Muon,
+        with torch.optim.Muon's defaults, the rest to AdamW."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"Muon.add_param_group: a param group must be a dict, got {type(param_group).__name__}")
+        if "use_muon" not in param_group:
+            for part in split_by_kind(param_group):
+                self._add_group(part, torch_style=True)
+            return
         if not isinstance(param_group["use_muon"], bool):
             raise ValueError(f"Muon: `use_muon` must be True or False, got {param_group['use_muon']!r}")
-        options.fill_group(param_group, self.group_defaults)
+        self._add_group(param_group)
+
+    def _add_group(self, param_group: dict, torch_style: bool = False) -> None:
+        options.fill_group(param_group, self.group_defaults, torch_style)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         try:
@@ -215,19 +224,26 @@ class Muon(Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict` (or torch.distributed.checkpoint).
+        """Load a state dict from :meth:`state_dict`, torch.distributed.checkpoint, or
+        ``torch.optim.Muon`` (its momentum carries over).
 
-        The checkpoint is checked before anything changes: its layout version, its groups against
-        this optimizer's (count, sizes, ``use_muon``, ``param_names``, row blocks), each
-        parameter's state keys and shapes, and its options.  Group options and the QK-clip
-        settings are restored from the checkpoint, as torch's optimizers do; a custom
+        As in torch, the load-state-dict pre-hooks run first (a hook may adapt an old checkpoint)
+        and the post-hooks last.  What the hooks return is checked before anything changes: its
+        layout version, its groups against this optimizer's (count, sizes, ``use_muon``,
+        ``param_names``, row blocks), each parameter's state keys and shapes, and its options.
+        Group options and the QK-clip settings are restored from the checkpoint, as torch's
+        optimizers do (options the checkpoint predates keep this optimizer's values); state
+        entries that belong to no parameter are kept as they are, as torch keeps them.  A custom
         ``QKClipConfig.classify`` cannot be saved and is kept from this optimizer's config.
         """
+        state_dict = state_layout.run_load_pre_hooks(self, state_dict)
+        state_dict = state_layout.upgrade(state_dict, self.param_groups, self.settings.qk_clip)
         state_layout.check_loadable(self, state_dict)
         for i, group in enumerate(state_dict["param_groups"]):
             options.check_group(group, f"checkpoint param_groups[{i}]")
         qk_clip = state_layout.qk_clip_from_groups(state_dict["param_groups"], self.settings.qk_clip)
-        super().load_state_dict(state_dict)
+        with state_layout.load_pre_hooks_already_run(self):
+            super().load_state_dict(state_dict)  # ... and the post-hooks
         self.settings = dataclasses.replace(self.settings, qk_clip=qk_clip)
         self._stamp_layout()
 
@@ -247,6 +263,7 @@ class Muon(Optimizer):
         # on the object stay.  A pickle from before the settings record holds them as attributes.
         if "settings" not in state and "settings" not in self.__dict__:
             state = dict(state, settings=options.from_legacy(state), group_defaults=_legacy_group_defaults(state))
+            state_layout.upgrade_pickled_groups(state["param_groups"], state.get("ns_eps", 1e-7))
         super().__setstate__(state)
         self.__dict__.setdefault("qk_clip_report", None)
         self.__dict__.setdefault("last_step_skipped", False)
@@ -255,15 +272,55 @@ class Muon(Optimizer):
         self.__dict__.pop("_cached_context", None)  # rebuilt for this process's parameters
 
 
+def split_by_kind(group: dict) -> list[dict]:
+    """A torch-style group (no ``use_muon``) as a Muon group of its matrices (2-D, and 3-D expert
+    stacks) and an AdamW group of the rest, each with the options that apply to it: torch's
+    meaning of an option wins where ours differs (``eps`` and ``adjust_lr_fn`` are Newton–Schulz's,
+    so they go to the Muon group only)."""
+    params = group.get("params")
+    params = [params] if isinstance(params, torch.Tensor) else list(params if params is not None else [])
+    names = group.get("param_names")
+    named = [p if isinstance(p, tuple) else (None if names is None else names[i], p) for i, p in enumerate(params)]
+    muon_only = {o.name for o in options.options_of(options.MUON)} - {o.name for o in options.GROUP_OPTIONS
+                                                                     if o.kinds == options.BOTH}
+    adamw_only = {o.name for o in options.options_of(options.ADAMW)} - {o.name for o in options.GROUP_OPTIONS
+                                                                       if options.MUON in o.kinds}
+    rest = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    parts = []
+    for use_muon in (True, False):
+        mine = [(n, p) for n, p in named if isinstance(p, torch.Tensor) and (p.dim() in (2, 3)) == use_muon]
+        if not mine and (parts or not use_muon):
+            continue
+        drop = adamw_only if use_muon else muon_only | {"eps", "adjust_lr_fn"}
+        part = {k: v for k, v in rest.items() if k not in drop}
+        part["params"] = [p for _, p in mine] if names is not None or any(n is None for n, _ in mine) else list(mine)
+        if names is not None:
+            part["param_names"] = [n for n, _ in mine]
+        parts.append({**part, "use_muon": use_muon})
+    if not _SPLIT_LOGGED:
+        _SPLIT_LOGGED.append(True)
+        logger.info(
+            "Muon: parameters given without use_muon groups: matrices (2-D, 3-D expert stacks) go to Muon, the "
+            "rest to AdamW. optimizer.get_default_muon_param_groups(model) also sends embeddings, the output head "
+            "and MoE routers to AdamW, as Muon's authors recommend."
+        )
+    return parts
+
+
+_SPLIT_LOGGED: list[bool] = []  # the note above is logged once per process
+
+
 def _legacy_group_defaults(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per-kind group defaults of an optimizer pickled before the settings record: torch's
-    ``defaults`` and the AdamW betas it kept as an attribute."""
-    _, defaults = options.from_constructor({})
+    """Group defaults of an optimizer pickled before the settings record: torch's ``defaults``,
+    the AdamW betas and the Newton–Schulz eps it kept as attributes."""
+    _, defaults = options.from_constructor((), {})
     for kind, values in defaults.items():
         for name in values:
-            if name in state.get("defaults", {}):
-                values[name] = state["defaults"][name]
+            if name in state.get("defaults", {}) and not (name == "eps" and kind != options.ADAMW):
+                values[name] = state["defaults"][name]  # its defaults' eps was AdamW's
     defaults[options.ADAMW]["betas"] = tuple(state.get("adamw_betas", defaults[options.ADAMW]["betas"]))
+    for kind in (options.MUON, options.TORCH_STYLE):
+        defaults[kind]["eps"] = state.get("ns_eps", defaults[kind]["eps"])
     return defaults
 
 

@@ -21,15 +21,26 @@ segments that wrappers insert (``_orig_mod`` from ``torch.compile``, ``_checkpoi
 from activation checkpointing, ``_fsdp_wrapped_module`` from FSDP1), so a checkpoint written
 from the unwrapped model loads into the wrapped one and back, as it does for torch.optim.AdamW.
 
-Layout version 1, per parameter:
+Layout version 2, per parameter:
   Muon groups (``use_muon=True``):  ``momentum_buffer``, shaped and placed like the param.
   AdamW groups:  ``step`` (0-d float32 tensor), ``exp_avg``, ``exp_avg_sq`` (like the param).
+Version 2 differs from 1 in one group key: a Muon group's ``eps`` is its Newton–Schulz epsilon
+(torch.optim.Muon's meaning); in version 1 it was an unused copy of AdamW's, and the Newton–Schulz
+eps was the optimizer's own, not saved.  A version-1 checkpoint loads with each Muon group's eps
+taken from the loading optimizer (built with the same ``eps``, it is the value the run used).
+
+Loadable too (:func:`upgrade`): ``torch.optim.Muon``'s state dicts (per parameter
+``momentum_buffer``, as ours; groups with ``adjust_lr_fn``), so that a run can switch to this
+optimizer mid-training.  Options a checkpoint predates take the loading optimizer's values
+(torch's own loader would drop them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,11 +48,12 @@ import torch
 from .adamw import ADAMW_STATE_KEYS
 from .qk_clip import QKClipConfig, config_from_record, config_record
 from .row_blocks import ROW_BLOCKS_KEY, row_blocks_mismatch
+from .settings import resolve_adjust_lr_fn
 from .tensors import is_dtensor
 
 logger = logging.getLogger("optimizer.muon")
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 VERSION_KEY = "muon_state_version"
 QK_CLIP_KEY = "qk_clip_settings"
 
@@ -152,6 +164,79 @@ def _group_label(group: Mapping, index: int) -> str:
     return f"param_groups[{index}] ({shown}{more})" if shown else f"param_groups[{index}]"
 
 
+def run_load_pre_hooks(opt: torch.optim.Optimizer, state_dict: Any) -> Any:
+    """torch's load-state-dict pre-hooks, run first as ``Optimizer.load_state_dict`` runs them (on a
+    shallow copy; a hook's return value replaces the state dict), so that a hook can adapt a
+    checkpoint before it is checked."""
+    if isinstance(state_dict, Mapping):
+        state_dict = dict(state_dict)
+    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+@contextlib.contextmanager
+def load_pre_hooks_already_run(opt: torch.optim.Optimizer) -> Iterator[None]:
+    """torch's ``load_state_dict`` without its pre-hooks (already run); post-hooks still run."""
+    hooks = opt._optimizer_load_state_dict_pre_hooks
+    opt._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        opt._optimizer_load_state_dict_pre_hooks = hooks
+
+
+def is_torch_muon(state_dict: Mapping) -> bool:
+    """A ``torch.optim.Muon`` state dict: groups with its keys, none of ours."""
+    groups = state_dict.get("param_groups") or []
+    return bool(groups) and all(
+        isinstance(g, Mapping) and "adjust_lr_fn" in g and "ns_steps" in g and "use_muon" not in g
+        and VERSION_KEY not in g for g in groups)
+
+
+def upgrade(state_dict: Any, live_groups: Sequence[Mapping], qk_clip: QKClipConfig | None) -> Any:
+    """``state_dict`` in this layout version: a ``torch.optim.Muon`` state dict's groups become Muon
+    groups (``adjust_lr_fn`` read as torch reads it), a version-1 checkpoint's Muon groups get
+    their Newton–Schulz ``eps`` (module docstring), and options a checkpoint predates take the
+    live group's values.  Anything else is returned as it is, for :func:`check_loadable` to judge."""
+    if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("param_groups"), list):
+        return state_dict
+    saved = state_dict["param_groups"]
+    torch_muon = is_torch_muon(state_dict)
+    if not torch_muon and not any(isinstance(g, Mapping) and g.get(VERSION_KEY) == 1 for g in saved):
+        return state_dict
+    groups = []
+    for gi, group in enumerate(saved):
+        group = dict(group)
+        live = live_groups[gi] if gi < len(live_groups) else {}
+        if torch_muon:
+            resolve_adjust_lr_fn(group, f"torch.optim.Muon checkpoint param_groups[{gi}]")
+            group.update({"use_muon": True, VERSION_KEY: LAYOUT_VERSION, QK_CLIP_KEY: qk_clip_record(qk_clip),
+                          ROW_BLOCKS_KEY: None})
+            logger.info("Muon.load_state_dict: param_groups[%d] is torch.optim.Muon's; its momentum carries over", gi)
+        elif group.get(VERSION_KEY) == 1:
+            if group.get("use_muon") and "eps" in live:
+                group["eps"] = live["eps"]  # version 1 kept AdamW's eps here; NS eps was not saved
+            group[VERSION_KEY] = LAYOUT_VERSION
+        for key, value in live.items():
+            if key not in group and key != "params":
+                group[key] = value
+        groups.append(group)
+    return {**state_dict, "param_groups": groups}
+
+
+def upgrade_pickled_groups(param_groups: list[dict], ns_eps: float) -> None:
+    """A pickled (not state-dict) optimizer from before version 2: its Muon groups' ``eps`` is the
+    Newton–Schulz eps it kept as an attribute."""
+    for group in param_groups:
+        if group.get("use_muon"):
+            group["eps"] = ns_eps
+        if VERSION_KEY in group:
+            group[VERSION_KEY] = LAYOUT_VERSION
+
+
 def check_loadable(opt: torch.optim.Optimizer, state_dict: Any) -> None:
     """Raise ValueError, before anything is loaded, if ``state_dict`` cannot be loaded into ``opt``.
 
@@ -169,12 +254,8 @@ def check_loadable(opt: torch.optim.Optimizer, state_dict: Any) -> None:
     _check_versions(saved_groups)
     owners = _check_groups(saved_groups, opt.param_groups)
     for pid, entry in state_dict["state"].items():
-        if pid not in owners:
-            raise ValueError(
-                f"Muon.load_state_dict: the checkpoint has state for parameter {pid!r}, which none of its "
-                "param groups lists; the checkpoint is damaged or was edited."
-            )
-        _check_param_state(entry, *owners[pid])
+        if pid in owners:  # entries of no parameter are kept as they are, as torch keeps them
+            _check_param_state(entry, *owners[pid])
 
 
 def _check_versions(saved_groups: list[Mapping]) -> None:

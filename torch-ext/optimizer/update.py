@@ -62,7 +62,7 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
     steps = []
     for i, (p, group) in enumerate(zip(params, groups)):
         orthogonalize = newton_schulz.setdefault(id(group), NewtonSchulz(
-            group["ns_steps"], group["ns_coefficients"], group.get("ns_method", "auto"), settings.eps,
+            group["ns_steps"], group["ns_coefficients"], group.get("ns_method", "auto"), group["eps"],
             settings.compute_dtype))
         if context.row_blocks[i] is not None:
             orthogonalize = InBlocks(orthogonalize, context.row_blocks[i], group["adjust_lr"])
