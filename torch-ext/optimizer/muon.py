@@ -35,7 +35,7 @@ from .distributed import groups
 from .parallel.stats import PipelineStats
 from .qk_clip import QKClipReport, log_report
 from .qk_clip.plan import build_qk_clip_plan
-from .row_blocks import ROW_BLOCKS_KEY, resolve_row_blocks, spec_for
+from .row_blocks import ROW_BLOCKS_KEY, plain_row_blocks, resolve_row_blocks, spec_for
 from .settings import MuonSettings
 from .step_context import Layouts, StepContext, context_key, entries_of, qk_params, rank
 from .tensors import is_dtensor
@@ -219,9 +219,15 @@ class Muon(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict; every param group also carries Muon's state layout
         version and QK-clip settings (``state_layout.py``: torch.distributed.checkpoint keeps
-        only ``state`` and ``param_groups``, so that is where they must live)."""
+        only ``state`` and ``param_groups``, so that is where they must live).  Row-block specs
+        are in their plain form (strings and dicts), so that ``torch.load(weights_only=True)``
+        (Hugging Face's Trainer) reads the saved file; a callable spec is kept as it is."""
         self._stamp_layout()
-        return super().state_dict()
+        state = super().state_dict()
+        for group in state["param_groups"]:  # plain values only, for torch.load(weights_only=True)
+            if group.get(ROW_BLOCKS_KEY) is not None:
+                group[ROW_BLOCKS_KEY] = plain_row_blocks(group[ROW_BLOCKS_KEY])
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict`, torch.distributed.checkpoint, or

@@ -172,10 +172,10 @@ class MuonOptimizersContainer(OptimizersContainer):
         (fused wqkv and MLA head sizes are always read from them)."""
 
         qk_clip_q_patterns: tuple[str, ...] | None = None
-        """Name components of query weights; None: ("wq", "q_proj"), or ("wq", "wq_b") for MLA."""
+        """Name components of query weights; None: QKClipConfig's defaults (("q_proj", "wq"); for MLA also "wq_b", "q_b_proj")."""
 
         qk_clip_k_patterns: tuple[str, ...] | None = None
-        """Name components of key weights; None: ("wk", "k_proj"), or ("wkv_b",) for MLA."""
+        """Name components of key weights; None: QKClipConfig's defaults (("k_proj", "wk"); for MLA "wkv_b", "kv_b_proj")."""
 
         qk_logits_fn: str | None = None
         """"package.module:function" called as fn(model_parts) before each step; returns
