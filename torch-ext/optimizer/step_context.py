@@ -115,6 +115,7 @@ class LocalFacts:
     """What this rank knows about a step before the ranks agree (named, not positional)."""
 
     errors: list[str]
+    missing_groups: list[tuple[int, ...]]  # process groups the plan needs that no rank created yet
     closure_error: BaseException | None
     qk_logits: Mapping | None
     clip: ClipStep | None
@@ -130,6 +131,7 @@ class LocalFacts:
             "closure_raised": int(self.closure_error is not None),
             "nonfinite_grads": self.nonfinite_grads,
             "nonfinite_logits": self.nonfinite_logits,
+            "missing_groups": int(bool(self.missing_groups)),
         }
 
 
@@ -152,6 +154,7 @@ class StepContext:
         self._layouts = layouts
         self._rank = rank
         self._clip_index: dict[int, torch.Tensor] = {}
+        self.missing_groups: list[tuple[int, ...]] = []
         self.errors += [problem for e in entries if (problem := param_problem(e.name, e.param))]
         if self.errors:
             return
@@ -161,7 +164,8 @@ class StepContext:
             except ValueError as err:
                 self.errors.append(str(err))
         plan_params = [self._plan_param(i) for i in range(len(self.muon))]
-        if not self.errors:
+        self.missing_groups = self._missing_groups()
+        if not self.errors and not self.missing_groups:
             self._plan(plan_params)
 
     # ------------------------------------------------------------------ building
@@ -211,6 +215,17 @@ class StepContext:
             compute_itemsize=compute.itemsize, state_itemsize=p.dtype.itemsize,
         )
 
+    def _missing_groups(self) -> list[tuple[int, ...]]:
+        """Rank sets the plan needs a process group for that this process has not created: the
+        parameters became DTensors after the optimizer was built (accelerate's FSDP2 swaps them in).
+        Every rank then creates them at this step, together (``Muon.step``)."""
+        dtensors = [e for e in self.entries if e.use_muon and is_dtensor(e.param) and e.param.dim() >= 2]
+        if not dtensors or not dist.is_initialized():
+            return []
+        union = sorted({r for e in dtensors for r in self._layouts.grid(e.param.device_mesh).ranks})
+        layouts = [(self._layouts.of(e.param, e.transposed), e.param.device_mesh) for e in dtensors]
+        return [s for s in groups.rank_sets_needed(layouts, union) if not groups.has_group(s)]
+
     def _plan(self, plan_params: list[PlanParam]) -> None:
         s = self.settings
         flops_per_byte = s.replica_split_flops_per_byte
@@ -244,7 +259,8 @@ class StepContext:
         nothing = torch.zeros((), dtype=torch.int64)
         grads = [local_view(e.param.grad) for e in self.muon]
         return LocalFacts(
-            errors=errors, closure_error=closure_error, qk_logits=qk_logits, clip=clip,
+            errors=errors, missing_groups=self.missing_groups, closure_error=closure_error, qk_logits=qk_logits,
+            clip=clip,
             nonfinite_grads=count_nonfinite(grads) if skip_nonfinite and not errors else nothing,
             nonfinite_logits=clip.nonfinite if clip is not None else nothing,
             logits_digest=agreement.device_checksum({0: clip.flat_logits}) if clip is not None else nothing,
@@ -284,6 +300,12 @@ class StepContext:
                     "forward, or call zero_grad(set_to_none=False) so unused parameters get zero gradients."
                 )
         self._check_logits_agreed(facts, outcome)
+        if counts["missing_groups"]:
+            raise RuntimeError(
+                f"Muon.step: {counts['missing_groups']} of {n} ranks lack process groups the step needs, and they "
+                "could not be created here: the optimizer's ranks are not the whole world. Build the optimizer after "
+                "the parameters are sharded (its constructor creates them, collectively)."
+            )
         return counts["nonfinite_grads"] > 0
 
     def _check_logits_agreed(self, facts: LocalFacts, outcome: agreement.Outcome) -> None:
