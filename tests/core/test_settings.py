@@ -45,7 +45,7 @@ CONSTRUCTOR_ALTERNATIVES = {
 GROUP_ALTERNATIVES = {
     "lr": 0.03, "weight_decay": 0.2, "momentum": 0.9, "nesterov": False, "ns_steps": 4,
     "ns_coefficients": "polar_express", "ns_method": "classic", "adjust_lr": "original", "eps": 1e-6,
-    "betas": (0.8, 0.9), "maximize": True, "muon_row_blocks": "heads:2",
+    "betas": (0.8, 0.9), "maximize": True, "muon_row_blocks": "heads:2", "muon_transposed": True,
 }
 
 

@@ -142,3 +142,50 @@ def test_3d_blocks_split_every_expert_alike():
     seen = []
     resolve_row_blocks(lambda name, shape: seen.append(shape) or [slice(0, shape[0])], "x", (3, 10, 6))
     assert seen == [(10, 6)]
+
+
+def test_a_state_dict_with_dataclass_specs_loads_with_weights_only_and_continues():
+    """Trainer resumes with torch.load(weights_only=True): an optimizer whose groups hold
+    HeadBlocks / FusedQKV / SplitQKV objects saves them in their plain forms (issue 23)."""
+    import io
+
+    from optimizer import Muon
+
+    def build():
+        g = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(16, 8, generator=g))
+        q = torch.nn.Parameter(torch.randn(24, 8, generator=g))
+        f = torch.nn.Parameter(torch.randn(24, 8, generator=g))
+        blocks = {"a": HeadBlocks(4), "wqkv": SplitQKV(FusedQKV(2, 1, 6, "grouped"), per_head=True),
+                  "fused": FusedQKV(2, 1, 6, "concat")}
+        opt = Muon([{"params": [w, q, f], "param_names": ["a", "wqkv", "fused"], "use_muon": True,
+                     "muon_row_blocks": blocks}], lr=0.02)
+        return [w, q, f], opt
+
+    def grads(step):
+        g = torch.Generator().manual_seed(10 + step)
+        return [torch.randn(16, 8, generator=g), torch.randn(24, 8, generator=g), torch.randn(24, 8, generator=g)]
+
+    params, opt = build()
+    for step in range(4):
+        if step == 2:
+            buf = io.BytesIO()
+            torch.save({"optim": opt.state_dict(), "params": [p.detach().clone() for p in params]}, buf)
+        for p, g in zip(params, grads(step)):
+            p.grad = g
+        opt.step()
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)  # raises "Unsupported global" for dataclass specs
+    assert saved["optim"]["param_groups"][0]["muon_row_blocks"]["a"] == "heads:4"
+    resumed, opt2 = build()
+    with torch.no_grad():
+        for p, s in zip(resumed, saved["params"]):
+            p.copy_(s)
+    opt2.load_state_dict(saved["optim"])
+    assert opt2.param_groups[0]["muon_row_blocks"]["a"] == "heads:4"  # plain, and equal to HeadBlocks(4)
+    for step in (2, 3):
+        for p, g in zip(resumed, grads(step)):
+            p.grad = g
+        opt2.step()
+    for p, q in zip(params, resumed):
+        assert torch.equal(p, q)

@@ -35,7 +35,7 @@ from .distributed import groups
 from .parallel.stats import PipelineStats
 from .qk_clip import QKClipReport, log_report
 from .qk_clip.plan import build_qk_clip_plan
-from .row_blocks import ROW_BLOCKS_KEY, resolve_row_blocks, spec_for
+from .row_blocks import ROW_BLOCKS_KEY, plain_row_blocks, resolve_row_blocks, spec_for
 from .settings import MuonSettings
 from .step_context import Layouts, StepContext, context_key, entries_of, qk_params, rank
 from .tensors import is_dtensor
@@ -56,8 +56,9 @@ class Muon(Optimizer):
 
     With DTensor parameters, building the optimizer (and ``add_param_group`` with parameters
     that need a new process group) is collective over the default process group: every rank
-    builds its optimizer at the same point, as with ``init_device_mesh``.  ``step()`` never
-    creates process groups.
+    builds its optimizer at the same point, as with ``init_device_mesh``.  ``step()`` creates
+    process groups only once, at the first step after the groups' parameters were switched to
+    DTensors (accelerate's FSDP2 idiom), on every rank together.
     """
 
     def __init__(self, params, *args, **kwargs):
@@ -152,10 +153,9 @@ class Muon(Optimizer):
                 closure_error = err
         self._follow_momentum()
         qk_logits = self._logits_for_step(qk_logits)
-        context = self._context()
-        facts = context.local_facts(qk_logits, closure_error, self.settings.skip_nonfinite)
-        outcome = context.agree(facts, options.digest(self.settings, self.param_groups),
-                                lambda: options.record(self.settings, self.param_groups))
+        context, facts, outcome = self._agree(qk_logits, closure_error)
+        if outcome.counts["missing_groups"] and self._create_missing_groups(context, outcome):
+            context, facts, outcome = self._agree(qk_logits, closure_error)  # with the new groups
         self.last_step_skipped = context.verdict(facts, outcome)
         if self.last_step_skipped:
             self.qk_clip_report = None
@@ -170,6 +170,27 @@ class Muon(Optimizer):
                 adamw_group_step_(group, self.state)
         self.last_step_stats = muon_update(context, self.state, self.settings, facts.clip)
         return loss
+
+    def _agree(self, qk_logits, closure_error):
+        """This rank's view of the step, then the one all-reduce (see ``step_context.py``)."""
+        context = self._context()
+        facts = context.local_facts(qk_logits, closure_error, self.settings.skip_nonfinite)
+        outcome = context.agree(facts, options.digest(self.settings, self.param_groups),
+                                lambda: options.record(self.settings, self.param_groups))
+        return context, facts, outcome
+
+    def _create_missing_groups(self, context: StepContext, outcome) -> bool:
+        """Parameters that became DTensors after construction (accelerate's FSDP2 idiom) may need
+        process groups nobody created: every rank creates them now, together, in one order (only
+        when every rank of the world takes part in this step and none has refused it)."""
+        import torch.distributed as dist
+
+        counts = outcome.counts
+        if counts["rejected_inputs"] or counts["closure_raised"] or outcome.ranks != dist.get_world_size():
+            return False  # the verdict raises the same error everywhere
+        groups.create_collectively(context.missing_groups)
+        self.__dict__.pop("_cached_context", None)
+        return True
 
     def set_qk_logits_source(self, source: Callable[[], Any] | None) -> None:
         """Where ``step()`` takes QK-clip's logits when it is called without ``qk_logits`` (as
@@ -219,9 +240,15 @@ class Muon(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict; every param group also carries Muon's state layout
         version and QK-clip settings (``state_layout.py``: torch.distributed.checkpoint keeps
-        only ``state`` and ``param_groups``, so that is where they must live)."""
+        only ``state`` and ``param_groups``, so that is where they must live).  Row-block specs
+        are in their plain form (strings and dicts), so that ``torch.load(weights_only=True)``
+        (Hugging Face's Trainer) reads the saved file; a callable spec is kept as it is."""
         self._stamp_layout()
-        return super().state_dict()
+        state = super().state_dict()
+        for group in state["param_groups"]:  # plain values only, for torch.load(weights_only=True)
+            if group.get(ROW_BLOCKS_KEY) is not None:
+                group[ROW_BLOCKS_KEY] = plain_row_blocks(group[ROW_BLOCKS_KEY])
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict`, torch.distributed.checkpoint, or

@@ -64,6 +64,7 @@ from collections.abc import Callable, Mapping
 
 from torch import Tensor, nn
 
+from .matrix_view import TRANSPOSED_KEY
 from .row_blocks import ROW_BLOCKS_KEY, is_plain_qkv_spec, row_blocks_to_plain
 
 # Owning-module names of output heads ("lm_head.weight" in HF, "output.weight" in torchtitan).
@@ -94,7 +95,6 @@ TRAINER_NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?
 _NO_DECAY_RES = tuple(re.compile(p) for p in TRAINER_NO_DECAY_PATTERNS)
 
 ADAMW_OPTION_KEYS = ("lr", "weight_decay", "betas", "eps", "maximize")
-TRANSPOSED_KEY = "muon_transposed"
 FUSED_GATE_UP_MODES = ("split", "whole")
 
 ROLES = ("matrix", "embedding", "head", "router", "adapter", "conv", "bias", "vector", "tensor")

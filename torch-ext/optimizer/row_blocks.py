@@ -231,6 +231,15 @@ def row_blocks_to_plain(group_value, where: str = ROW_BLOCKS_KEY):
     return spec_to_plain(group_value, where)
 
 
+def plain_row_blocks(group_value):
+    """:func:`row_blocks_to_plain`, keeping callable specs (they have no plain form) as they are."""
+    if isinstance(group_value, Mapping) and not is_plain_qkv_spec(group_value):
+        return {name: plain_row_blocks(v) for name, v in group_value.items()}
+    if callable(group_value) and not isinstance(group_value, (HeadBlocks, RowBlockSizes, SplitQKV, FusedQKV)):
+        return group_value
+    return spec_to_plain(group_value)
+
+
 def spec_for(group_value, name: str, where: str):
     """The spec for one parameter from a group's ``muon_row_blocks`` value (spec or {name: spec})."""
     if isinstance(group_value, Mapping) and not is_plain_qkv_spec(group_value):

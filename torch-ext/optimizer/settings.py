@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .distributed import agreement
+from .matrix_view import TRANSPOSED_KEY, check_transposed
 from .newton_schulz import check_ns_method, resolve_ns_coefficients
 from .qk_clip import QKClipConfig, config_record
 from .row_blocks import ROW_BLOCKS_KEY, check_group_row_blocks
@@ -127,6 +128,11 @@ def _ns_method(value, where, context) -> None:
 def _row_blocks(value, where, context) -> None:
     group = where.removesuffix(ROW_BLOCKS_KEY).rstrip()  # its messages name the key themselves
     check_group_row_blocks(value, context.get("param_names") or [], f"Muon: {group}")
+
+
+def _transposed(value, where, context) -> None:
+    group = where.removesuffix(TRANSPOSED_KEY).rstrip()
+    check_transposed(value, context.get("param_names") or [], f"Muon: {group}")
 
 
 def _compute_dtype(value, where, context) -> None:
@@ -277,6 +283,10 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
     GroupOption(ROW_BLOCKS_KEY, (MUON,), None,
                 "row blocks orthogonalised as separate matrices: one spec for the group or {param_name: spec}",
                 _row_blocks, plan=True, constructor=False),
+    GroupOption(TRANSPOSED_KEY, (MUON,), None,
+                "weights stored [in, out] (GPT-2's Conv1D): True for the group or {param_name: True}; Muon reads "
+                "them as [out, in] (lr adjustment, row statistics, QK-clip rows, row blocks)",
+                _transposed, plan=True, constructor=False),
 )
 
 

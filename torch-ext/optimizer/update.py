@@ -8,6 +8,7 @@ from collections.abc import MutableMapping
 
 import torch
 
+from .matrix_view import local_matrix
 from .parallel.runtime import gather_everything, run_parallel_muon
 from .parallel.stats import PipelineStats
 from .qk_clip.step import ClipStep
@@ -48,8 +49,9 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
     """The momentum on every local piece (one foreach call per momentum and sign), then each
     parameter's stages with this step's hyper-parameters."""
     params, groups = context.muon_params, context.muon_groups
-    bufs = momentum_buffers(params, state)
-    grads = [local_view(p.grad) for p in params]
+    views = [e.transposed for e in context.muon]  # [in, out] weights read as [out, in] (matrix_view.py)
+    bufs = [local_matrix(b, t) for b, t in zip(momentum_buffers(params, state), views)]
+    grads = [local_matrix(local_view(p.grad), t) for p, t in zip(params, views)]
     signed = list(grads)
     by_momentum: dict[tuple[float, bool], list[int]] = {}
     for i, group in enumerate(groups):
@@ -68,8 +70,9 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
             orthogonalize = InBlocks(orthogonalize, context.row_blocks[i], group["adjust_lr"])
         lr = group["lr"]
         steps.append(MatrixStep(
-            param=local_view(p), grad=signed[i], buf=bufs[i], momentum=group["momentum"], nesterov=group["nesterov"],
-            lr=lr, adjusted_lr=adjust_lr(lr, p.shape, group["adjust_lr"]), weight_decay=group["weight_decay"],
+            param=local_matrix(local_view(p), views[i]), grad=signed[i], buf=bufs[i], momentum=group["momentum"],
+            nesterov=group["nesterov"], lr=lr, adjusted_lr=adjust_lr(lr, context.muon[i].shape, group["adjust_lr"]),
+            weight_decay=group["weight_decay"],
             orthogonalize=orthogonalize, clip=context.clip_rows(i, clip),
         ))
     return steps
