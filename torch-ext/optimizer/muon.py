@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from . import settings as options
 from . import state_layout
-from .adamw import adamw_group_step_
+from .adamw import adamw_group_step_, step_as_tensor_
 from .checks import check_group_params, param_problem
 from .distributed import groups
 from .parallel.stats import PipelineStats
@@ -292,6 +292,10 @@ class Muon(Optimizer):
             state = dict(state, settings=options.from_legacy(state), group_defaults=_legacy_group_defaults(state))
             state_layout.upgrade_pickled_groups(state["param_groups"], state.get("ns_eps", 1e-7))
         super().__setstate__(state)
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                for p in group["params"]:
+                    step_as_tensor_(self.state.get(p, {}), p)
         self.__dict__.setdefault("qk_clip_report", None)
         self.__dict__.setdefault("last_step_skipped", False)
         self.__dict__.setdefault("last_step_stats", PipelineStats())
@@ -306,6 +310,8 @@ def split_by_kind(group: dict) -> list[dict]:
     so they go to the Muon group only)."""
     params = group.get("params")
     params = [params] if isinstance(params, torch.Tensor) else list(params if params is not None else [])
+    if len({isinstance(p, tuple) for p in params}) > 1:
+        raise ValueError("all optimizer params should be with/without names. Some param names are missing")
     names = group.get("param_names")
     named = [p if isinstance(p, tuple) else (None if names is None else names[i], p) for i, p in enumerate(params)]
     muon_only = {o.name for o in options.options_of(options.MUON)} - {o.name for o in options.GROUP_OPTIONS
