@@ -1012,7 +1012,7 @@ def test_torch_style_input_recommends_default_groups_once(caplog, monkeypatch):
     import optimizer.muon
 
     monkeypatch.setattr(optimizer.muon, "_SPLIT_LOGGED", [])
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="optimizer.muon")  # whatever level earlier tests left it at
 
     def notes():
         return [r for r in caplog.records if "get_default_muon_param_groups" in r.getMessage()]

@@ -16,7 +16,7 @@ from transformers.trainer_optimizer import is_optimizer_factory  # noqa: E402
 from optimizer import Muon  # noqa: E402
 from optimizer.integrations.huggingface import MaxLogitRecorder, MuonFactory, build_muon  # noqa: E402
 from optimizer.attention_layouts import FusedQKV  # noqa: E402
-from optimizer.row_blocks import SplitQKV, spec_to_plain  # noqa: E402
+from optimizer.row_blocks import SplitQKV, from_checkpoint, spec_to_plain  # noqa: E402
 
 SEQ = 12
 
@@ -111,7 +111,9 @@ def test_resume_from_checkpoint_is_bit_identical_with_row_blocks(tmp_path):
     assert [g for g in muon_of(full).param_groups if g["use_muon"]][0]["muon_row_blocks"] == blocks
     ckpt = tmp_path / "full" / "checkpoint-2"
     saved = torch.load(ckpt / "optimizer.pt", weights_only=True)  # what Trainer does on resume
-    assert [g for g in saved["param_groups"] if g["use_muon"]][0]["muon_row_blocks"] == blocks
+    group = [g for g in saved["param_groups"] if g["use_muon"]][0]
+    assert from_checkpoint(group["muon_row_blocks"], group["param_names"]) == {
+        n: blocks.get(n) for n in group["param_names"]}  # one plain string (or None) per parameter
 
     resumed = trainer(tmp_path / "resumed")
     resumed.train(resume_from_checkpoint=str(ckpt))
@@ -137,7 +139,8 @@ def test_moe_optimizer_checkpoint_loads_weights_only(tmp_path):
                    train_dataset=Repeats(), optimizer_cls_and_kwargs=(MuonFactory, kwargs))
     full.train()
     saved = torch.load(tmp_path / "checkpoint-2" / "optimizer.pt", weights_only=True)
-    blocks = [g for g in saved["param_groups"] if g["use_muon"]][0]["muon_row_blocks"]
+    group = [g for g in saved["param_groups"] if g["use_muon"]][0]
+    blocks = {n: b for n, b in from_checkpoint(group["muon_row_blocks"], group["param_names"]).items() if b}
     assert blocks == {f"model.layers.{i}.mlp.experts.gate_up_proj": "blocks:24,24" for i in range(2)}
     fresh = MuonFactory()(hf_models.mixtral(), **kwargs)
     fresh.load_state_dict(saved)

@@ -35,7 +35,7 @@ from .distributed import groups
 from .parallel.stats import PipelineStats
 from .qk_clip import QKClipReport, log_report
 from .qk_clip.plan import build_qk_clip_plan
-from .row_blocks import ROW_BLOCKS_KEY, plain_row_blocks, resolve_row_blocks, spec_for
+from .row_blocks import ROW_BLOCKS_KEY, resolve_row_blocks, row_blocks_for_checkpoint, spec_for
 from .settings import MuonSettings
 from .step_context import Layouts, StepContext, context_key, entries_of, qk_params, rank
 from .tensors import is_dtensor
@@ -245,9 +245,11 @@ class Muon(Optimizer):
         (Hugging Face's Trainer) reads the saved file; a callable spec is kept as it is."""
         self._stamp_layout()
         state = super().state_dict()
-        for group in state["param_groups"]:  # plain values only, for torch.load(weights_only=True)
-            if group.get(ROW_BLOCKS_KEY) is not None:
-                group[ROW_BLOCKS_KEY] = plain_row_blocks(group[ROW_BLOCKS_KEY])
+        entries = entries_of(self.param_groups)
+        for gi, (live, group) in enumerate(zip(self.param_groups, state["param_groups"])):
+            if live["use_muon"]:  # plain strings, one per parameter (row_blocks.py)
+                names = [e.name for e in entries if e.group == gi]
+                group[ROW_BLOCKS_KEY] = row_blocks_for_checkpoint(live.get(ROW_BLOCKS_KEY), names)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -269,8 +271,13 @@ class Muon(Optimizer):
         for i, group in enumerate(state_dict["param_groups"]):
             options.check_group(group, f"checkpoint param_groups[{i}]")
         qk_clip = state_layout.qk_clip_from_groups(state_dict["param_groups"], self.settings.qk_clip)
+        # the checkpoint's row blocks were checked equal to these; keep the specs as the user wrote them
+        row_blocks = [g.get(ROW_BLOCKS_KEY) for g in self.param_groups]
         with state_layout.load_pre_hooks_already_run(self):
             super().load_state_dict(state_dict)  # ... and the post-hooks
+        for group, blocks in zip(self.param_groups, row_blocks):
+            if group["use_muon"]:
+                group[ROW_BLOCKS_KEY] = blocks
         self.settings = dataclasses.replace(self.settings, qk_clip=qk_clip)
         self._stamp_layout()
 

@@ -65,7 +65,7 @@ from collections.abc import Callable, Mapping
 from torch import Tensor, nn
 
 from .matrix_view import TRANSPOSED_KEY
-from .row_blocks import ROW_BLOCKS_KEY, is_plain_qkv_spec, row_blocks_to_plain
+from .row_blocks import ROW_BLOCKS_KEY, row_blocks_to_plain
 
 # Owning-module names of output heads ("lm_head.weight" in HF, "output.weight" in torchtitan).
 # Matched against the module that owns the weight only, so e.g. BERT's
@@ -390,7 +390,7 @@ def get_default_muon_param_groups(
     if muon[0]:
         options = dict(muon_group_options)
         user_blocks = options.pop(ROW_BLOCKS_KEY, None)
-        if user_blocks is not None and (not isinstance(user_blocks, Mapping) or is_plain_qkv_spec(user_blocks)):
+        if user_blocks is not None and not isinstance(user_blocks, Mapping):
             options[ROW_BLOCKS_KEY] = user_blocks  # one spec for the whole group: as given
         else:
             merged = {**blocks, **row_blocks_to_plain(dict(user_blocks or {}))}

@@ -47,7 +47,7 @@ import torch
 
 from .adamw import ADAMW_STATE_KEYS
 from .qk_clip import QKClipConfig, config_from_record, config_record
-from .row_blocks import ROW_BLOCKS_KEY, row_blocks_mismatch
+from .row_blocks import ROW_BLOCKS_KEY, from_checkpoint, row_blocks_mismatch
 from .settings import resolve_adjust_lr_fn
 from .tensors import is_dtensor
 
@@ -315,8 +315,13 @@ def _check_group(gi: int, saved: Mapping, live: Mapping) -> list[str]:
     names = list(live_names) if live_names else [f"param_groups[{gi}]['params'][{j}]" for j in range(len(live["params"]))]
     if live["use_muon"]:
         # by canonical name on both sides, as the names themselves are compared above
-        problem = row_blocks_mismatch(_canonical_keys(saved.get(ROW_BLOCKS_KEY)), _canonical_keys(live.get(ROW_BLOCKS_KEY)),
-                                      [canonical_name(n) for n in names], f"param_groups[{gi}]")
+        canonical = [canonical_name(n) for n in names]
+        try:
+            saved_blocks = from_checkpoint(_canonical_keys(saved.get(ROW_BLOCKS_KEY)), canonical)
+        except ValueError as err:
+            raise ValueError(f"Muon.load_state_dict: the checkpoint's param_groups[{gi}]: {err}") from None
+        problem = row_blocks_mismatch(saved_blocks, _canonical_keys(live.get(ROW_BLOCKS_KEY)), canonical,
+                                      f"param_groups[{gi}]")
         if problem is not None:
             raise ValueError(f"Muon.load_state_dict: {problem}.")
     return names
