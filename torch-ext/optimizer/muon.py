@@ -30,15 +30,13 @@ from torch.optim import Optimizer
 from . import settings as options
 from . import state_layout
 from .adamw import adamw_group_step_, step_as_tensor_
-from .checks import check_group_params, param_problem
-from .distributed import groups
+from .checks import check_group_params
 from .parallel.stats import PipelineStats
 from .qk_clip import QKClipReport, log_report
 from .qk_clip.plan import build_qk_clip_plan
-from .row_blocks import ROW_BLOCKS_KEY, resolve_row_blocks, row_blocks_for_checkpoint, spec_for
+from .row_blocks import ROW_BLOCKS_KEY, resolve_row_blocks, spec_for
 from .settings import MuonSettings
-from .step_context import Layouts, StepContext, context_key, entries_of, qk_params, rank
-from .tensors import is_dtensor
+from .step_context import Layouts, StepContext, context_key, create_process_groups, entries_of, qk_params, rank
 from .update import muon_update
 
 logger = logging.getLogger(__name__)
@@ -119,19 +117,7 @@ class Muon(Optimizer):
                 resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], name, f"Muon: param_groups[{index}]"), name, p.shape)
 
     def _create_process_groups(self, param_groups: list[dict], only_if_missing: bool = False) -> None:
-        """Create, collectively, every process group the parallel step will use (see groups.py)."""
-        import torch.distributed as dist
-
-        dtensors = [p for g in self.param_groups for p in g["params"] if is_dtensor(p)]
-        if not dtensors or not dist.is_initialized():
-            return
-        union = sorted({r for p in dtensors for r in self._layouts.grid(p.device_mesh).ranks})
-        layouts = [(self._layouts.of(p), p.device_mesh) for g in param_groups for p in g["params"]
-                   if g["use_muon"] and is_dtensor(p) and p.dim() >= 2 and param_problem("", p) is None]
-        needed = groups.rank_sets_needed(layouts, union)  # (others are refused by step())
-        if only_if_missing and all(groups.has_group(s) for s in needed):
-            return
-        groups.create_collectively(needed)
+        create_process_groups(self.param_groups, param_groups, self._layouts, only_if_missing)
 
     # ------------------------------------------------------------------ step
 
@@ -151,10 +137,11 @@ class Muon(Optimizer):
                     loss = closure()
             except Exception as err:  # noqa: BLE001 - re-raised after the ranks agree
                 closure_error = err
-        self._follow_momentum()
+        follow_momentum_schedule(self.param_groups)
         qk_logits = self._logits_for_step(qk_logits)
         context, facts, outcome = self._agree(qk_logits, closure_error)
-        if outcome.counts["missing_groups"] and self._create_missing_groups(context, outcome):
+        if outcome.counts["missing_groups"] and context.create_missing_groups(outcome):
+            self.__dict__.pop("_cached_context")
             context, facts, outcome = self._agree(qk_logits, closure_error)  # with the new groups
         self.last_step_skipped = context.verdict(facts, outcome)
         if self.last_step_skipped:
@@ -179,19 +166,6 @@ class Muon(Optimizer):
                                 lambda: options.record(self.settings, self.param_groups))
         return context, facts, outcome
 
-    def _create_missing_groups(self, context: StepContext, outcome) -> bool:
-        """Parameters that became DTensors after construction (accelerate's FSDP2 idiom) may need
-        process groups nobody created: every rank creates them now, together, in one order (only
-        when every rank of the world takes part in this step and none has refused it)."""
-        import torch.distributed as dist
-
-        counts = outcome.counts
-        if counts["rejected_inputs"] or counts["closure_raised"] or outcome.ranks != dist.get_world_size():
-            return False  # the verdict raises the same error everywhere
-        groups.create_collectively(context.missing_groups)
-        self.__dict__.pop("_cached_context", None)
-        return True
-
     def set_qk_logits_source(self, source: Callable[[], Any] | None) -> None:
         """Where ``step()`` takes QK-clip's logits when it is called without ``qk_logits`` (as
         Trainer and accelerate call it): ``source() -> {layer: per-query-head max logits} | None``,
@@ -209,12 +183,7 @@ class Muon(Optimizer):
             return source()
         if qk_logits is None and self.settings.qk_clip is not None and not self.__dict__.get("_warned_no_logits"):
             self._warned_no_logits = True
-            logger.warning(
-                "Muon: QK-clip is configured but step() got no qk_logits, so nothing was clipped this step. Pass "
-                "step(qk_logits=...) every step, or give the optimizer a source it reads when step() is called "
-                "without them: opt.set_qk_logits_source(recorder) (e.g. optimizer.integrations.huggingface."
-                "MaxLogitRecorder; build_muon/MuonFactory set it up)."
-            )
+            logger.warning(NO_LOGITS_WARNING)
         return qk_logits
 
     def _context(self) -> StepContext:
@@ -226,58 +195,20 @@ class Muon(Optimizer):
                 key, entries_of(self.param_groups), self.settings, self.param_groups, self._layouts, rank())
         return cached
 
-    def _follow_momentum(self) -> None:
-        """OneCycleLR/CyclicLR with ``cycle_momentum`` write ``momentum`` into every group (the
-        defaults have ``momentum`` and no ``betas``) and mark it with ``max_momentum`` /
-        ``base_momentum``: Muon groups follow the schedule as torch.optim.Muon's do, and an AdamW
-        group takes it as its ``betas[0]``, as torch.optim.AdamW's would."""
-        for group in self.param_groups:
-            if not group["use_muon"] and "max_momentum" in group and "base_momentum" in group:
-                group["betas"] = (float(group["momentum"]), *group["betas"][1:])
-
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict; every param group also carries Muon's state layout
-        version and QK-clip settings (``state_layout.py``: torch.distributed.checkpoint keeps
-        only ``state`` and ``param_groups``, so that is where they must live).  Row-block specs
-        are in their plain form (strings and dicts), so that ``torch.load(weights_only=True)``
-        (Hugging Face's Trainer) reads the saved file; a callable spec is kept as it is."""
+        """torch's optimizer state dict, in Muon's state layout (``state_layout.py``: every group
+        carries the layout version and QK-clip settings; row blocks as plain strings)."""
         self._stamp_layout()
-        state = super().state_dict()
-        entries = entries_of(self.param_groups)
-        for gi, (live, group) in enumerate(zip(self.param_groups, state["param_groups"])):
-            if live["use_muon"]:  # plain strings, one per parameter (row_blocks.py)
-                names = [e.name for e in entries if e.group == gi]
-                group[ROW_BLOCKS_KEY] = row_blocks_for_checkpoint(live.get(ROW_BLOCKS_KEY), names)
-        return state
+        return state_layout.with_plain_row_blocks(super().state_dict(), self.param_groups,
+                                                  [e.name for e in entries_of(self.param_groups)])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict`, torch.distributed.checkpoint, or
-        ``torch.optim.Muon`` (its momentum carries over).
-
-        As in torch, the load-state-dict pre-hooks run first (a hook may adapt an old checkpoint)
-        and the post-hooks last.  What the hooks return is checked before anything changes: its
-        layout version, its groups against this optimizer's (count, sizes, ``use_muon``,
-        ``param_names``, row blocks), each parameter's state keys and shapes, and its options.
-        Group options and the QK-clip settings are restored from the checkpoint, as torch's
-        optimizers do (options the checkpoint predates keep this optimizer's values); state
-        entries that belong to no parameter are kept as they are, as torch keeps them.  A custom
-        ``QKClipConfig.classify`` cannot be saved and is kept from this optimizer's config.
-        """
-        state_dict = state_layout.run_load_pre_hooks(self, state_dict)
-        state_dict = state_layout.upgrade(state_dict, self.param_groups, self.settings.qk_clip)
-        state_layout.check_loadable(self, state_dict)
-        for i, group in enumerate(state_dict["param_groups"]):
-            options.check_group(group, f"checkpoint param_groups[{i}]")
-        qk_clip = state_layout.qk_clip_from_groups(state_dict["param_groups"], self.settings.qk_clip)
-        # the checkpoint's row blocks were checked equal to these; keep the specs as the user wrote them
-        row_blocks = [g.get(ROW_BLOCKS_KEY) for g in self.param_groups]
-        with state_layout.load_pre_hooks_already_run(self):
-            super().load_state_dict(state_dict)  # ... and the post-hooks
-        for group, blocks in zip(self.param_groups, row_blocks):
-            if group["use_muon"]:
-                group[ROW_BLOCKS_KEY] = blocks
+        ``torch.optim.Muon`` (its momentum carries over).  torch's pre-hooks run first, then
+        everything is checked before anything changes (``state_layout.load``), post-hooks last."""
+        qk_clip = state_layout.load(self, state_dict, lambda checked: Optimizer.load_state_dict(self, checked))
         self.settings = dataclasses.replace(self.settings, qk_clip=qk_clip)
         self._stamp_layout()
 
@@ -308,6 +239,24 @@ class Muon(Optimizer):
         self.__dict__.setdefault("last_step_stats", PipelineStats())
         self.__dict__.setdefault("_layouts", Layouts())
         self.__dict__.pop("_cached_context", None)  # rebuilt for this process's parameters
+
+
+NO_LOGITS_WARNING = (
+    "Muon: QK-clip is configured but step() got no qk_logits, so nothing was clipped this step. Pass "
+    "step(qk_logits=...) every step, or give the optimizer a source it reads when step() is called without "
+    "them: opt.set_qk_logits_source(recorder) (e.g. optimizer.integrations.huggingface.MaxLogitRecorder; "
+    "build_muon/MuonFactory set it up)."
+)
+
+
+def follow_momentum_schedule(groups: list[dict]) -> None:
+    """OneCycleLR/CyclicLR with ``cycle_momentum`` write ``momentum`` into every group (the
+    defaults have ``momentum`` and no ``betas``) and mark it with ``max_momentum`` /
+    ``base_momentum``: Muon groups follow the schedule as torch.optim.Muon's do, and an AdamW
+    group takes it as its ``betas[0]``, as torch.optim.AdamW's would."""
+    for group in groups:
+        if not group["use_muon"] and "max_momentum" in group and "base_momentum" in group:
+            group["betas"] = (float(group["momentum"]), *group["betas"][1:])
 
 
 def split_by_kind(group: dict) -> list[dict]:

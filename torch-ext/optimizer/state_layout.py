@@ -47,8 +47,8 @@ import torch
 
 from .adamw import ADAMW_STATE_KEYS
 from .qk_clip import QKClipConfig, config_from_record, config_record
-from .row_blocks import ROW_BLOCKS_KEY, from_checkpoint, row_blocks_mismatch
-from .settings import resolve_adjust_lr_fn
+from .row_blocks import ROW_BLOCKS_KEY, from_checkpoint, row_blocks_for_checkpoint, row_blocks_mismatch
+from .settings import check_group, resolve_adjust_lr_fn
 from .tensors import is_dtensor
 
 logger = logging.getLogger("optimizer.muon")
@@ -235,6 +235,41 @@ def upgrade_pickled_groups(param_groups: list[dict], ns_eps: float) -> None:
             group["eps"] = ns_eps
         if VERSION_KEY in group:
             group[VERSION_KEY] = LAYOUT_VERSION
+
+
+def with_plain_row_blocks(state: dict, live_groups: Sequence[Mapping], names: Sequence[str]) -> dict:
+    """A state dict whose Muon groups hold their row blocks as plain strings, one per parameter
+    (``row_blocks.row_blocks_for_checkpoint``; ``names``: every parameter's, in group order)."""
+    start = 0
+    for live, group in zip(live_groups, state["param_groups"]):
+        mine = names[start: start + len(live["params"])]
+        start += len(live["params"])
+        if live["use_muon"]:
+            group[ROW_BLOCKS_KEY] = row_blocks_for_checkpoint(live.get(ROW_BLOCKS_KEY), mine)
+    return state
+
+
+def load(opt: torch.optim.Optimizer, state_dict: Any, torch_load) -> QKClipConfig | None:
+    """``Muon.load_state_dict``: torch's load-state-dict pre-hooks first (a hook may adapt an old
+    checkpoint), then what they return is upgraded (:func:`upgrade`) and checked before anything
+    changes (:func:`check_loadable`, every group's options), then ``torch_load`` (torch's own
+    loader, which restores group options as torch's optimizers do and runs the post-hooks).
+    State entries of no parameter are kept, as torch keeps them.  The checkpoint's row blocks were
+    checked equal to the optimizer's, which keeps its specs as they were written.  Returns the
+    QK-clip config the checkpoint describes (a custom ``classify`` is kept from the optimizer's)."""
+    live_qk_clip = opt.settings.qk_clip
+    state_dict = upgrade(run_load_pre_hooks(opt, state_dict), opt.param_groups, live_qk_clip)
+    check_loadable(opt, state_dict)
+    for i, group in enumerate(state_dict["param_groups"]):
+        check_group(group, f"checkpoint param_groups[{i}]")
+    qk_clip = qk_clip_from_groups(state_dict["param_groups"], live_qk_clip)
+    row_blocks = [g.get(ROW_BLOCKS_KEY) for g in opt.param_groups]
+    with load_pre_hooks_already_run(opt):
+        torch_load(state_dict)
+    for group, blocks in zip(opt.param_groups, row_blocks):
+        if group["use_muon"]:
+            group[ROW_BLOCKS_KEY] = blocks
+    return qk_clip
 
 
 def check_loadable(opt: torch.optim.Optimizer, state_dict: Any) -> None:

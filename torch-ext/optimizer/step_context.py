@@ -226,6 +226,17 @@ class StepContext:
         layouts = [(self._layouts.of(e.param, e.transposed), e.param.device_mesh) for e in dtensors]
         return [s for s in groups.rank_sets_needed(layouts, union) if not groups.has_group(s)]
 
+    def create_missing_groups(self, outcome: agreement.Outcome) -> bool:
+        """Parameters that became DTensors after construction (accelerate's FSDP2 idiom) may need
+        process groups nobody created: every rank creates them now, together, in one order — only
+        when every rank of the world takes part in this step and none refused it (else the
+        verdict raises the same error everywhere).  True when they were created."""
+        counts = outcome.counts
+        if counts["rejected_inputs"] or counts["closure_raised"] or outcome.ranks != dist.get_world_size():
+            return False
+        groups.create_collectively(self.missing_groups)
+        return True
+
     def _plan(self, plan_params: list[PlanParam]) -> None:
         s = self.settings
         flops_per_byte = s.replica_split_flops_per_byte
@@ -355,6 +366,22 @@ class StepContext:
             return slice(0, e.shape[0])
         layout = self._layouts.of(e.param, e.transposed)
         return layout.indices(layout.grid.coordinate(self._rank))[0]
+
+
+def create_process_groups(all_groups: Sequence[Mapping], new_groups: Sequence[Mapping], layouts: Layouts,
+                          only_if_missing: bool = False) -> None:
+    """Create, collectively, every process group the parallel step will use for ``new_groups``'
+    DTensor matrices (``distributed/groups.py``); ``all_groups``' meshes give the optimizer's ranks."""
+    dtensors = [p for g in all_groups for p in g["params"] if is_dtensor(p)]
+    if not dtensors or not dist.is_initialized():
+        return
+    union = sorted({r for p in dtensors for r in layouts.grid(p.device_mesh).ranks})
+    needed = groups.rank_sets_needed(  # parameters step() refuses need none
+        [(layouts.of(p), p.device_mesh) for g in new_groups for p in g["params"]
+         if g["use_muon"] and is_dtensor(p) and p.dim() >= 2 and param_problem("", p) is None], union)
+    if only_if_missing and all(groups.has_group(s) for s in needed):
+        return
+    groups.create_collectively(needed)
 
 
 # ---------------------------------------------------------------------------- helpers (pure)
