@@ -37,7 +37,7 @@ from .qk_clip import QKClipReport, log_report
 from .qk_clip.plan import build_qk_clip_plan
 from .row_blocks import ROW_BLOCKS_KEY, resolve_row_blocks, spec_for
 from .settings import MuonSettings
-from .step_context import Layouts, StepContext, context_key, entries_of, qk_params, rank
+from .step_context import Layouts, StepContext, context_key, entries_of, qk_params, rank, split_rank_sets
 from .tensors import is_dtensor
 from .update import muon_update
 
@@ -119,6 +119,7 @@ class Muon(Optimizer):
         layouts = [(self._layouts.of(p), p.device_mesh) for g in param_groups for p in g["params"]
                    if g["use_muon"] and is_dtensor(p) and p.dim() >= 2 and param_problem("", p) is None]
         needed = groups.rank_sets_needed(layouts, union)  # (others are refused by step())
+        needed = sorted(set(needed) | set(split_rank_sets(param_groups, self.settings, self._layouts)))  # ns_split
         if only_if_missing and all(groups.has_group(s) for s in needed):
             return
         groups.create_collectively(needed)

@@ -29,6 +29,8 @@ from .distributed import agreement, groups
 from .distributed.layout import MeshGrid, ParamLayout
 from .newton_schulz import default_compute_dtype, newton_schulz_flops
 from .parallel.plan import PlanParam, PlanSettings, StepPlan, build_plan
+from .parallel.split_newton_schulz import SplitHardware, hardware_for
+from .parallel.split_plan import SplitModel, rank_sets
 from .qk_clip.plan import QKClipPlan, build_qk_clip_plan
 from .qk_clip.step import ClipStep, check_layer_gradients, check_step_logits, compute_clip_step, describe_nonfinite
 from .row_blocks import ROW_BLOCKS_KEY, RowBlocks, resolve_row_blocks, spec_for
@@ -196,6 +198,7 @@ class StepContext:
             device=local_view(p).device, ns_key=ns_key, cost=cost,
             mesh=p.device_mesh if layout is not None else None,
             compute_itemsize=compute.itemsize, state_itemsize=p.dtype.itemsize,
+            split=split_model(group, compute, local_view(p).device) if group.get(ROW_BLOCKS_KEY) is None else None,
         )
 
     def _plan(self, plan_params: list[PlanParam]) -> None:
@@ -343,6 +346,40 @@ def ns_cost(group: Mapping, compute_dtype: torch.dtype) -> Callable[[tuple[int, 
         return float(newton_schulz_flops(shape, steps, method, compute_dtype, coefficients))
 
     return cost
+
+
+def split_hardware(device: torch.device) -> SplitHardware:
+    """The figures ``ns_split="auto"`` plans with on ``device`` (tests swap in others)."""
+    return hardware_for(device)
+
+
+def split_model(group: Mapping, compute_dtype: torch.dtype, device: torch.device) -> SplitModel | None:
+    """How a Muon group's matrices may be split over ranks (``ns_split``), or None for "never".
+    Weights with row blocks are never split (``_plan_param``): their blocks are orthogonalised
+    apart, each with its own lr factor."""
+    mode = group.get("ns_split", "auto")
+    if mode == "never":
+        return None
+    return SplitModel.of(mode, split_hardware(device), group["ns_steps"], group.get("ns_method", "auto"),
+                         group["ns_coefficients"], compute_dtype)
+
+
+def split_rank_sets(param_groups: Sequence[Mapping], settings: MuonSettings, layouts: Layouts) -> list[tuple[int, ...]]:
+    """Every rank set a split Newton–Schulz of these groups' DTensor matrices may run on
+    (``split_plan.rank_sets``): created with the other process groups, collectively, at
+    construction and in ``add_param_group``."""
+    out: set[tuple[int, ...]] = set()
+    for group in param_groups:
+        if not group["use_muon"] or group.get(ROW_BLOCKS_KEY) is not None:
+            continue
+        for p in group["params"]:
+            if not is_dtensor(p) or p.dim() < 2 or param_problem("", p) is not None:
+                continue
+            device = local_view(p).device
+            model = split_model(group, settings.compute_dtype or default_compute_dtype(device), device)
+            out |= rank_sets(tuple(p.shape), layouts.of(p), model)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return sorted(s for s in out if 1 < len(s) < world)
 
 
 def blocks_cost(blocks: RowBlocks, matrix_cost: Callable) -> Callable[[tuple[int, ...]], float]:
