@@ -137,9 +137,9 @@ def test_a_misassigned_block_is_caught(monkeypatch):
     real = split_plan.cut_blocks
 
     def wrong(lengths, k):
-        rows = real(lengths, k)
+        rows = list(real(lengths, k))
         if k > 1 and all(a.stop - a.start == b.stop - b.start for a, b in zip(rows[0], rows[1])):
-            rows[1] = list(rows[0])
+            rows[1] = rows[0]
         return rows
 
     monkeypatch.setattr(plan, "cut_blocks", wrong)  # the forked ranks inherit it

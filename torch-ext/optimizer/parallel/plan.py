@@ -673,8 +673,12 @@ class _RankView:
         if hit is None:
             members = self.members(job.param)
             d, k, j = job.cut.dim, job.cut.k, job.cut.j
-            sets, lengths = canonical_sets([ix[d] for ix in members])
-            row, offsets = cut_blocks(lengths, k)[j], block_offsets(lengths, k, j)
+            sets_key = (id(lay), d)
+            if sets_key not in self._cut_cache:
+                self._cut_cache[sets_key] = canonical_sets([ix[d] for ix in members])
+            sets, lengths = self._cut_cache[sets_key]
+            row = cut_blocks(lengths, k)[j]
+            offsets = block_offsets(row)
             positions = []
             for ix, t in zip(members, sets):
                 at = slice(offsets[t], offsets[t] + row[t].stop - row[t].start)

@@ -32,9 +32,10 @@ iteration (FLOPs, bytes and collective latencies, :func:`~.split_newton_schulz.s
 counted in FLOP-equivalents (time x the hardware's rate) so that it compares with whole units'
 FLOPs.  A pattern is considered when one of its units costs more than :data:`TRIGGER` times a
 rank's ideal share (fewer units than ranks, or one dominant unit); then, starting from whole
-units, the costliest class of units (within :data:`CLASS_BAND` of the costliest) has its k
-doubled (to the next allowed k that is modelled faster) while that lowers the busiest rank of
-the resulting assignment by at least :data:`MIN_GAIN`.  The assignment (:func:`assign`) is LPT
+units, a class of similar units (within :data:`CLASS_BAND` of the class's costliest) has its k
+doubled (to the next allowed k that is modelled faster) when that lowers the busiest rank of the
+resulting assignment by at least :data:`MIN_GAIN`: the costliest class that pays, repeatedly,
+until none does.  The assignment (:func:`assign`) is LPT
 over whole and cut units together: a cut unit goes to the group whose busiest member is least
 loaded.  Small units stay whole: splitting them is modelled slower, or does not lower the
 busiest rank.
@@ -45,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -112,8 +113,7 @@ class SplitModel:
 # ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Cut:
+class Cut(NamedTuple):
     """Sub-job ``j`` of a unit cut into ``k`` blocks along tensor dim ``dim`` (negative: -1 or -2)."""
 
     dim: int
@@ -156,29 +156,34 @@ def canonical_sets(indices: Sequence[Index]) -> tuple[list[int], list[int]]:
     return [number[k] for k in keys], [first[k][1] for k in order]
 
 
-def cut_blocks(lengths: Sequence[int], k: int) -> list[list[slice]]:
+def cut_blocks(lengths: Sequence[int], k: int) -> tuple[tuple[slice, ...], ...]:
     """``[j][t]``: the slice of set t's local positions that goes to block j.
 
     Each set is cut into k contiguous near-equal slices (:func:`split_range_evenly`); set t's
     slice s goes to block ``(s + c_t) mod k``, with ``c_t`` the sets before it's total length mod
     k, so the longer slices of consecutive sets land on consecutive blocks: block widths differ by
     at most one, and every block is non-empty when the sets hold at least k indices in all."""
+    return _cut_blocks(tuple(int(n) for n in lengths), int(k))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cut_blocks(lengths: tuple[int, ...], k: int) -> tuple[tuple[slice, ...], ...]:
     out = [[slice(0, 0)] * len(lengths) for _ in range(k)]
     c = 0
     for t, n in enumerate(lengths):
         for s, sl in enumerate(split_range_evenly(n, k)):
             out[(s + c) % k][t] = sl
         c = (c + n) % k
-    return out
+    return tuple(tuple(row) for row in out)
 
 
 def block_widths(lengths: Sequence[int], k: int) -> tuple[int, ...]:
     return tuple(sum(sl.stop - sl.start for sl in row) for row in cut_blocks(lengths, k))
 
 
-def block_offsets(lengths: Sequence[int], k: int, j: int) -> list[int]:
-    """Where each set's slice starts in block j (sets in canonical order, end to end)."""
-    row = cut_blocks(lengths, k)[j]
+def block_offsets(row: Sequence[slice]) -> list[int]:
+    """Where each set's slice of one block (a row of :func:`cut_blocks`) starts in the block
+    (sets in canonical order, end to end)."""
     out, off = [], 0
     for sl in row:
         out.append(off)
@@ -198,6 +203,16 @@ def set_lengths(layout, shape: Sequence[int]) -> tuple[int, ...]:
     if layout is None:
         return (shape[cut_dim(shape)],)
     return _layout_lengths(layout, len(layout.shape) + cut_dim(shape))
+
+
+def lengths_along(layout, ndim: int, dim: int) -> tuple[int, ...]:
+    """Lengths of the distinct index sets a layout's shard group holds along (negative) ``dim``."""
+    return _layout_lengths(layout, ndim + dim)
+
+
+def piece_length(lengths: Sequence[int], k: int, j: int) -> int:
+    """The longest member slice of block j: what every member's piece is padded to along the cut dim."""
+    return max(sl.stop - sl.start for sl in cut_blocks(lengths, k)[j])
 
 
 def sub_shape(shape: Sequence[int], cut: Cut, width: int) -> tuple[int, ...]:
@@ -305,22 +320,39 @@ def choose_ks(units: Sequence[UnitOptions], world: int) -> list[int] | None:
     ks = [u.forced for u in units]
     auto = [i for i, u in enumerate(units) if u.ks and u.forced == 1]
     total = sum(u.cost for u in units)
-    ideal = total / max(1, world)
-    if auto and max(units[i].cost for i in auto) > TRIGGER * ideal:
-        _, loads = assign(units, ks)
-        best = max(loads.values(), default=0.0)
-        while True:
-            top = max(units[i].at(ks[i]) for i in range(len(units)))
-            band = [i for i in auto if units[i].at(ks[i]) >= CLASS_BAND * top]
-            steps = {i: k for i in band if (k := units[i].next_k(ks[i])) is not None}
+    if not auto or max(units[i].cost for i in auto) <= TRIGGER * total / max(1, world):
+        return ks if any(k > 1 for k in ks) else None
+    best = _busiest(units, ks)
+    while True:  # each pass keeps the first doubling, costliest class first, that pays
+        for cls in _classes(units, auto, ks):
+            steps = {i: k for i in cls if (k := units[i].next_k(ks[i])) is not None}
             if not steps:
-                break  # the costliest units cannot be cut further (or are not ours to cut)
+                continue
             trial = list(ks)
             for i, k in steps.items():
                 trial[i] = k
-            _, loads = assign(units, trial)
-            busiest = max(loads.values(), default=0.0)
-            if busiest > best * (1 - MIN_GAIN):
+            busiest = _busiest(units, trial)
+            if busiest <= best * (1 - MIN_GAIN):
+                ks, best = trial, busiest
                 break
-            ks, best = trial, busiest
+        else:
+            break
     return ks if any(k > 1 for k in ks) else None
+
+
+def _busiest(units: Sequence[UnitOptions], ks: Sequence[int]) -> float:
+    _, loads = assign(units, ks)
+    return max(loads.values(), default=0.0)
+
+
+def _classes(units: Sequence[UnitOptions], auto: Sequence[int], ks: Sequence[int]) -> list[list[int]]:
+    """The units that may be cut, costliest first, in classes of similar cost (within CLASS_BAND
+    of the class's costliest): same-shape units move together."""
+    cost = {i: units[i].at(ks[i]) for i in auto}
+    out: list[list[int]] = []
+    for i in sorted(auto, key=lambda i: (-cost[i], i)):
+        if out and cost[i] >= CLASS_BAND * cost[out[-1][0]]:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
