@@ -87,7 +87,7 @@ from optimizer.step_context import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
 from optimizer.newton_schulz import newton_schulz_flops  # noqa: E402
 from optimizer.parallel.owners import chunked_critical_path  # noqa: E402
 from optimizer.parallel.plan import PlanParam, PlanSettings, WorldJob, ns_workspace, split_workspace, world_jobs  # noqa: E402
-from optimizer.parallel.split_newton_schulz import CUDA_NVLINK  # noqa: E402
+from optimizer.parallel.split_newton_schulz import CUDA_NVLINK, SplitHardware  # noqa: E402
 from optimizer.parallel.split_plan import SplitModel, lengths_along, piece_length, sub_shape  # noqa: E402
 
 TARGET = 1.10
@@ -95,6 +95,10 @@ TARGET_RANKS = (512, 1024)  # issue 10: busiest and critical path <= 1.10x ideal
 SPLIT_TARGET = 1.25  # issue 21: busiest and critical path <= 1.25x ideal at 512-1024 ranks, every model
 NS_SPLITS = ("never", "auto")
 HARDWARE = CUDA_NVLINK  # what ns_split="auto" plans with (the optimizer's CUDA figures)
+# --split-hardware free: the split's collectives cost nothing (perfectly overlapped): a bound
+FREE_LINK = SplitHardware("free communication (the split's collectives fully overlapped: a bound)",
+                          CUDA_NVLINK.bf16_flops, CUDA_NVLINK.fp32_flops, 1e18, 0.0, CUDA_NVLINK.compute_dtype)
+SPLIT_HARDWARE = {"cuda": CUDA_NVLINK, "free": FREE_LINK}
 DEFAULT_RANKS = [8, 16, 32, 64, 128, 256, 512, 1024]
 DEFAULT_HSDP = ["2x4", "2x32", "4x64", "8x64", "8x128", "16x64"]
 DEFAULT_HSDP_MODELS = ["llama3-70b", "deepseek-v3"]
@@ -788,6 +792,8 @@ def main(argv=None):
                    help='threshold of replica_split="auto" (default: the optimizer\'s CUDA default)')
     p.add_argument("--ns-split", nargs="+", choices=("never", "auto", "always"), default=list(NS_SPLITS),
                    help="ns_split values modelled (each row once per value)")
+    p.add_argument("--split-hardware", choices=sorted(SPLIT_HARDWARE), default="cuda",
+                   help="figures ns_split plans with: the optimizer's CUDA model, or free communication (a bound)")
     p.add_argument("--models", nargs="+", default=None, help="subset of model names")
     p.add_argument("--out", default="bench_results/", help="folder for JSON, Markdown and PNG")
     args = p.parse_args(argv)
@@ -804,6 +810,8 @@ def main(argv=None):
     if not args.replica_flops_per_byte >= 0:
         p.error("--replica-flops-per-byte must be >= 0")
 
+    global HARDWARE
+    HARDWARE = SPLIT_HARDWARE[args.split_hardware]
     models = all_models()
     for opt, names in (("--models", args.models or []), ("--hsdp-models", args.hsdp_models)):
         unknown = [m for m in names if m not in models]

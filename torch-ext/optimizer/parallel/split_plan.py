@@ -34,8 +34,9 @@ FLOPs.  A pattern is considered when one of its units costs more than :data:`TRI
 rank's ideal share (fewer units than ranks, or one dominant unit); then, starting from whole
 units, a class of similar units (within :data:`CLASS_BAND` of the class's costliest) has its k
 doubled (to the next allowed k that is modelled faster) when that lowers the busiest rank of the
-resulting assignment by at least :data:`MIN_GAIN`: the costliest class that pays, repeatedly,
-until none does.  The assignment (:func:`assign`) is LPT
+resulting assignment by at least :data:`MIN_GAIN`: the costliest class that pays, else the first
+pair of classes that pays together (cutting the largest units further may only pay once the
+next ones are cut too), repeatedly, until none does.  The assignment (:func:`assign`) is LPT
 over whole and cut units together: a cut unit goes to the group whose busiest member is least
 loaded.  Small units stay whole: splitting them is modelled slower, or does not lower the
 busiest rank.
@@ -323,14 +324,16 @@ def choose_ks(units: Sequence[UnitOptions], world: int) -> list[int] | None:
     if not auto or max(units[i].cost for i in auto) <= TRIGGER * total / max(1, world):
         return ks if any(k > 1 for k in ks) else None
     best = _busiest(units, ks)
-    while True:  # each pass keeps the first doubling, costliest class first, that pays
-        for cls in _classes(units, auto, ks):
-            steps = {i: k for i in cls if (k := units[i].next_k(ks[i])) is not None}
-            if not steps:
-                continue
+    while True:  # each pass keeps the first move that pays: one class, costliest first, else two together
+        classes = [(cls, steps) for cls in _classes(units, auto, ks)
+                   if (steps := {i: k for i in cls if (k := units[i].next_k(ks[i])) is not None})]
+        moves = [[steps] for _, steps in classes]
+        moves += [[a, b] for n, (_, a) in enumerate(classes) for _, b in classes[n + 1:]]
+        for move in moves:
             trial = list(ks)
-            for i, k in steps.items():
-                trial[i] = k
+            for steps in move:
+                for i, k in steps.items():
+                    trial[i] = k
             busiest = _busiest(units, trial)
             if busiest <= best * (1 - MIN_GAIN):
                 ks, best = trial, busiest
