@@ -348,3 +348,39 @@ def test_weights_with_row_blocks_stay_whole_and_the_option_is_checkpointed():
         g.pop("ns_split")
     ref.load_state_dict(old)
     ref.step()
+
+
+def test_the_option_is_checked():
+    from optimizer import Muon
+
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="ns_split"):
+        Muon([{"params": [p], "use_muon": True}], ns_split="sometimes")
+    with pytest.raises(ValueError, match="ns_split"):
+        Muon([{"params": [p], "use_muon": True, "ns_split": True}])
+    assert Muon([{"params": [p], "use_muon": True}]).param_groups[0]["ns_split"] == "auto"  # the default
+
+
+def _switch(rank, world_size):
+    from optimizer import Muon
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    specs = [("w", (24, 96), ["S0"])]
+    params, grads = make_case_tensors(specs, 2)
+    named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
+             for n, _, pl in specs]
+    opt = Muon(build_groups(named), lr=0.02, ns_split="never")
+    seen = []
+    for s, mode in enumerate(("never", "always")):
+        opt.param_groups[0]["ns_split"] = mode  # the plan depends on it: changing it re-plans
+        for n, p in named:
+            p.grad = to_dtensor(grads[s][n], mesh, p.placements)
+        opt.step()
+        seen.append(opt.last_step_stats.split_units)
+    return seen
+
+
+def test_changing_the_option_between_steps_replans():
+    for seen in run_ranks(_switch, 2, timeout=60):
+        assert seen == [0, 1]

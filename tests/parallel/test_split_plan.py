@@ -225,3 +225,15 @@ def test_the_padded_piece_of_a_block_is_the_longest_slice_of_it():
     want = [max(sl.stop - sl.start for sl in rows[j]) for j in range(S)]
     got = sorted(p.padded[-2] for c in plan.chunks for p in c.packs)
     assert got == sorted(want) and all(p.padded[-1] == 20 for c in plan.chunks for p in c.packs)
+
+
+def test_a_cut_units_blocks_share_one_chunk_whatever_the_owners_other_work():
+    """Its owners carry different whole units before it (their timelines differ), and chunks are
+    short (chunk_size=1): the blocks still meet in one chunk, where their owners run it together."""
+    specs = [("big", (16, 1024), [Shard(0)])] + [(f"thin{i}", (4, 2500 + 10 * i), [Shard(0)]) for i in range(20)]
+    params = _params((8,), range(8), specs, _model("always"))  # thin ones: short side 4 < 8, whole
+    world = world_jobs(params, PlanSettings(chunk_size=1))
+    (jobs, chunks), = world
+    assert len(chunks) > 1 and len(_units(world)) == 1
+    whole = [sum(1 for j in jobs if j.cut is None and j.owner == r) for r in range(8)]
+    assert len(set(whole)) > 1  # the block owners carry different numbers of whole units
