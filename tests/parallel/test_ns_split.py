@@ -73,6 +73,11 @@ CASES = {
         ("layers.0.attention.wq.weight", Q, ["S0"]),
         ("layers.0.attention.wk.weight", (8, 12), ["S0"]),
     ], {}),
+    "fsdp_3": ((3,), [  # a shard group of 3: "always" cuts over all 3 (k need not be a power of two)
+        ("wide", (12, 50), ["S0"]),
+        ("tall", (50, 12), ["S0"]),  # shards of 17, 17, 16 rows
+        ("experts", (2, 9, 31), ["S2"]),
+    ], {}),
     "gram_form_2": ((2,), [  # fp32, more than 1.5x wide: the Gram-space form, split alike
         ("wide", (64, 256), ["S0"]),
         ("tall", (256, 64), ["S1"]),
@@ -107,7 +112,7 @@ def _check(name, qk, ns_split="always", extra=None, expect_split=True):
 
 
 @pytest.mark.parametrize("name", ["fsdp_2", "fsdp_4_shard1", "fsdp_tp_4", "hsdp_4_split", "hsdp_4_per_replica",
-                                  "fsdp_8", "gram_form_2"])
+                                  "fsdp_8", "fsdp_3", "gram_form_2"])
 def test_forced_split_equals_single_device(name):
     _check(name, qk=name in ("fsdp_2", "fsdp_tp_4", "hsdp_4_split"))
 
@@ -242,6 +247,25 @@ def test_auto_splits_when_there_are_fewer_matrices_than_ranks_and_equals_single_
         assert split_units == 1  # every rank orthogonalised one block in the last step
         for n, ref in want.items():
             torch.testing.assert_close(got[n], ref, atol=ATOL, rtol=RTOL, msg=lambda m: f"{n}: {m}")
+
+
+def _auto_hsdp(rank, world_size):
+    from optimizer import step_context
+
+    step_context.split_hardware = lambda device: _fast_link()
+    full, stats = run_distributed(rank, world_size, (2, 2), [("w", (256, 1024), ["R", "S0"])], 3, False,
+                                  with_stats=True, replica_split="always")
+    return full, stats.split_units, stats.all_gathers
+
+
+def test_auto_cut_across_replicas_equals_single_device():
+    """HSDP 2 x 2, the matrix split over replicas and cut over all four holders: two blocks are
+    owned in each replica, gathered from that replica's shards, and the other replica's blocks
+    arrive in the replica all-gather."""
+    want = run_reference([("w", (256, 1024), None)], 3, False)
+    for got, split_units, all_gathers in run_ranks(_auto_hsdp, 4, timeout=120):
+        assert split_units == 1 and all_gathers > 0
+        torch.testing.assert_close(got["w"], want["w"], atol=ATOL, rtol=RTOL)
 
 
 def test_auto_keeps_small_matrices_whole():
@@ -384,3 +408,27 @@ def _switch(rank, world_size):
 def test_changing_the_option_between_steps_replans():
     for seen in run_ranks(_switch, 2, timeout=60):
         assert seen == [0, 1]
+
+
+def _late_auto(rank, world_size):
+    from dist_cases import outcome
+    from optimizer import Muon, step_context
+    from torch.distributed.device_mesh import init_device_mesh
+
+    step_context.split_hardware = lambda device: _fast_link()
+    mesh = init_device_mesh("cpu", (world_size,))
+    specs = [("a", (256, 1024), ["S0"]), ("b", (1024, 256), ["S0"])]
+    params, grads = make_case_tensors(specs, 1)
+    named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
+             for n, _, pl in specs]
+    opt = Muon(build_groups(named), lr=0.02, ns_split="never")  # no split groups made
+    opt.param_groups[0]["ns_split"] = "auto"  # would cut each over two ranks: groups {0, 1}, {2, 3}
+    for n, p in named:
+        p.grad = to_dtensor(grads[0][n], mesh, p.placements)
+    return outcome(opt.step)
+
+
+def test_a_split_whose_group_was_not_made_is_one_error_on_every_rank():
+    results = run_ranks(_late_auto, 4, timeout=60)
+    assert len(results) == 4 and {kind for kind, _ in results} == {"ValueError"}, results  # one verdict, agreed
+    assert all("ns_split" in message and "no process group" in message for _, message in results)

@@ -742,7 +742,7 @@ class _RankView:
             pad = self.padded(job)
             chunk.owned.append(self._owned(job, offset, pad, single=len(mine) == 1))
             if job.cut is not None:
-                chunk.owned[-1].split = SplitOwned(self.resolve_group(job.group, None, ()), job.group, job.widths,
+                chunk.owned[-1].split = SplitOwned(self._split_group(job), job.group, job.widths,
                                                    job.cut.dim == -2, job.unit)
             offset += math.prod(pad)
         groups: dict[tuple, list[int]] = {}
@@ -770,6 +770,16 @@ class _RankView:
         if chunk.replica_group is not None:
             self._exchange(chunk, jobs)
         return chunk
+
+    def _split_group(self, job: _Job):
+        try:
+            return self.resolve_group(job.group, None, ())
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"{err} Here: ns_split cuts '{self.params[job.param].name}' over that group, which is made when the "
+                "optimizer is built (or in add_param_group) for the ns_split its param group has then; set "
+                "ns_split there rather than on a live optimizer."
+            ) from None
 
     def _owned(self, job: _Job, offset: int, pad: tuple[int, ...], single: bool) -> Owned:
         members = self.members(job.param)
