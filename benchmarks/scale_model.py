@@ -86,7 +86,8 @@ from optimizer.distributed.layout import MeshGrid, ParamLayout  # noqa: E402
 from optimizer.step_context import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
 from optimizer.newton_schulz import newton_schulz_flops  # noqa: E402
 from optimizer.parallel.owners import chunked_critical_path  # noqa: E402
-from optimizer.parallel.plan import PlanParam, PlanSettings, WorldJob, ns_workspace, split_workspace, world_jobs  # noqa: E402
+from optimizer.parallel.plan import (PlanParam, PlanSettings, WorldJob, ns_workspace,  # noqa: E402
+                                     split_workspace, world_jobs)
 from optimizer.parallel.split_newton_schulz import CUDA_NVLINK, SplitHardware  # noqa: E402
 from optimizer.parallel.split_plan import SplitModel, lengths_along, piece_length, sub_shape  # noqa: E402
 

@@ -468,7 +468,7 @@ def render_markdown(result: dict) -> str:
                   f"{sz['ns_gflop_chosen']:.1f} vs {sz['ns_gflop']:.1f} GFLOP per step."]
     whole = result["results"].get("whole", {})
     if "time" in split and "time" in whole:
-        lines += ["", f"Newton–Schulz of a matrix split over ranks (ns_split auto) vs every matrix whole on one rank: "
+        lines += ["", "Newton–Schulz of a matrix split over ranks (ns_split auto) vs every matrix whole on one rank: "
                   f"**{split['time']['median_s'] / whole['time']['median_s']:.2f}x** "
                   f"(medians; paired {1 / whole['paired_ratio_median']:.2f}x)."]
     for v in ("parallel", "whole"):

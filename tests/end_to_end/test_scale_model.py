@@ -393,7 +393,8 @@ def _expected_peak(step) -> int:
     for k, chunk in enumerate(step.chunks):
         batched = {i for b in chunk.batches for i in b}
         spaces = [sum(_workspace(chunk.owned[i].shape) for i in b) for b in chunk.batches]
-        spaces += [_workspace(o.shape) if o.split is None else split_workspace(o.shape, o.split.transpose, len(o.split.ranks))
+        spaces += [_workspace(o.shape) if o.split is None
+                   else split_workspace(o.shape, o.split.transpose, len(o.split.ranks))
                    for i, o in enumerate(chunk.owned) if i not in batched]
         live = list(range(max(0, k - 1), min(len(buffers), k + LOOKAHEAD + 1)))
         if k >= 2 and step.chunks[k - 2].exchange_length:

@@ -41,7 +41,8 @@ def _specs(case: str, copies: int):
                                 ("layers.{i}.attention.wk.weight", K, ["R", "S0"]),
                                 ("layers.{i}.ffn.w1.weight", (7, 5), ["R", "R"])]),
         # Newton–Schulz split over the shard group (ns_split="always"): wide, tall, experts
-        "ns_split": ((4,), [("layers.{i}.attention.wq.weight", Q, ["S0"]), ("layers.{i}.attention.wk.weight", K, ["S0"]),
+        "ns_split": ((4,), [("layers.{i}.attention.wq.weight", Q, ["S0"]),
+                            ("layers.{i}.attention.wk.weight", K, ["S0"]),
                             ("layers.{i}.ffn.w1.weight", (40, 12), ["S0"]), ("layers.{i}.moe.w1", (2, 8, 24), ["S1"])]),
     }[case]
     mesh_shape, templates = base

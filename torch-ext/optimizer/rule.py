@@ -122,8 +122,9 @@ class NewtonSchulz:
     def split(self, x: Tensor, widths: Sequence[int], group) -> Tensor:
         """This rank's column block of ``self(whole)``, the matrix's column blocks (``widths``, in
         group-rank order) spread over ``group`` (``x`` short side first; collective)."""
-        return split_zeropower_via_newtonschulz(x, widths, group, ns_steps=self.ns_steps, coefficients=self.coefficients,
-                                                eps=self.eps, compute_dtype=self.compute_dtype, method=self.method)
+        return split_zeropower_via_newtonschulz(x, widths, group, ns_steps=self.ns_steps,
+                                                coefficients=self.coefficients, eps=self.eps,
+                                                compute_dtype=self.compute_dtype, method=self.method)
 
 
 def block_lr_factor(rows_per_block: int, full_shape: Sequence[int], mode: str | None) -> float:

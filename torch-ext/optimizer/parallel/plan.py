@@ -613,7 +613,8 @@ def _traffic(chunk: Chunk, params: Sequence[PlanParam]) -> tuple[int, int, int, 
     calls: dict[object, int] = {}  # batched Newton-Schulz calls (a zero-copy unit is its own)
     for k, o in enumerate(chunk.owned):
         key = ("batch", o.batch) if o.batch >= 0 else k
-        space = ns_workspace(o.shape) if o.split is None else split_workspace(o.shape, o.split.transpose, len(o.split.ranks))
+        space = (ns_workspace(o.shape) if o.split is None
+                 else split_workspace(o.shape, o.split.transpose, len(o.split.ranks)))
         calls[key] = calls.get(key, 0) + space * params[o.param].compute_itemsize
     return sent * item, received * item, buffers * item, max(calls.values(), default=0)
 
