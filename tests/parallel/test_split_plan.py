@@ -237,3 +237,21 @@ def test_a_cut_units_blocks_share_one_chunk_whatever_the_owners_other_work():
     assert len(chunks) > 1 and len(_units(world)) == 1
     whole = [sum(1 for j in jobs if j.cut is None and j.owner == r) for r in range(8)]
     assert len(set(whole)) > 1  # the block owners carry different numbers of whole units
+
+
+def test_units_held_whole_count_when_choosing_cuts():
+    """Experts held whole on ranks 0-3 (Shard(0), one each) cost as much as the one dense matrix:
+    cutting the dense matrix cannot lower the busiest rank (an expert's holder), so it stays whole;
+    counted without them, the cut would be taken (and ship its collectives for nothing)."""
+    from optimizer.parallel import plan
+
+    specs = [("experts", (4, 256, 1024), [Shard(0)]), ("dense", (256, 1024), [Shard(0)])]
+    params = _params((8,), range(8), specs, _model())
+    cut = lambda: [j for jobs, _ in world_jobs(params, PlanSettings()) for j in jobs if j.cut is not None]  # noqa: E731
+    assert cut() == []
+    real = plan._held_loads
+    try:
+        plan._held_loads = lambda params, local: dict  # blind to them
+        assert cut()
+    finally:
+        plan._held_loads = real

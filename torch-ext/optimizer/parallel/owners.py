@@ -80,6 +80,7 @@ def assign_owners_grouped(
     costs: Sequence[float],
     candidates: Sequence[Sequence[int] | None],
     groups: Sequence[Sequence[Sequence[int]] | None] | None,
+    loads: dict[int, float] | None = None,
 ) -> tuple[list[int], dict[int, float]]:
     """LPT over two kinds of items: whole items (``groups[i] is None``: one owner among
     ``candidates[i]``, as :func:`assign_owners_among`) and split items (``groups[i]`` lists
@@ -89,15 +90,16 @@ def assign_owners_grouped(
     Items are taken largest first (ties: lower index); a split item goes to the group whose
     busiest member is least loaded (ties: the group listed first), a whole item to the
     least-loaded candidate.  Returns, per item, the owner rank (whole) or the index of the
-    chosen group in ``groups[i]`` (split), and every rank's load.  With no split items it
-    is exactly :func:`assign_owners_among`.  Pure and deterministic.
+    chosen group in ``groups[i]`` (split), and every rank's load.  ``loads``: what ranks carry
+    already (not modified; the result includes it).  With no split items and no loads it is
+    exactly :func:`assign_owners_among`.  Pure and deterministic.
     """
     _check_costs(costs)
     if len(candidates) != len(costs):
         raise ValueError(f"candidates has {len(candidates)} entries but costs has {len(costs)}; give one per item")
     if groups is not None and len(groups) != len(costs):
         raise ValueError(f"groups has {len(groups)} entries but costs has {len(costs)}; give one per item")
-    loads: dict[int, float] = {}
+    loads = dict(loads or {})
     heaps: dict[tuple[int, ...], list[tuple[float, int, int]]] = {}
     group_heaps: dict[tuple, list[tuple[float, int]]] = {}
     owners = [0] * len(costs)

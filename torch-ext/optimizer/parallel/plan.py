@@ -317,7 +317,8 @@ def _units(p: PlanParam, batch: tuple[int, ...], count: int, max_cost: float, ma
     return out
 
 
-def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool) -> list[_Job]:
+def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool,
+                  held: Callable[[], dict[int, float]] = dict) -> list[_Job]:
     """Jobs of one pattern, with owners (LPT among each job's candidates)."""
     lay0 = params[members[0]].layout
     world = lay0.grid.ranks
@@ -359,19 +360,21 @@ def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings:
     coarse = build(0.0, fair_bytes)
     fine = build(TARGET_UNIT_FRACTION * total_cost / owners, fair_bytes)
     jobs = fine if len(fine) > len(coarse) and _busiest(fine) < _busiest(coarse) else coarse
-    return _cut_units(params, jobs, len(world), split)
+    return _cut_units(params, jobs, len(world), split, held)
 
 
-def _cut_units(params: Sequence[PlanParam], jobs: list[_Job], world: int, split: bool) -> list[_Job]:
+def _cut_units(params: Sequence[PlanParam], jobs: list[_Job], world: int, split: bool,
+               held: Callable[[], dict[int, float]] = dict) -> list[_Job]:
     """Cut units over k ranks where the cost model says it lowers the busiest rank
-    (``split_plan.py``); the whole units are then owned anew, around the cut ones."""
+    (``split_plan.py``), counting what each rank orthogonalises where it is (``held()``, computed
+    only if the choice is made); the whole units are then owned anew, around the cut ones."""
     if all(params[j.param].split is None for j in jobs):
         return jobs
     units = [_unit_options(params[j.param], j, split) for j in jobs]
-    ks = choose_ks(units, world)
+    ks = choose_ks(units, world, held)
     if ks is None:
         return jobs
-    owners, _ = assign(units, ks)
+    owners, _ = assign(units, ks, held())
     out: list[_Job] = []
     for n, (job, u, k, owner) in enumerate(zip(jobs, units, ks, owners)):
         if k == 1:
@@ -462,10 +465,11 @@ def world_jobs(params: Sequence[PlanParam], settings: PlanSettings) -> list[tupl
     rank.  Returns ``[(jobs, chunks)]`` per pattern, in plan order; parameters that are
     orthogonalised where they are (no communication) are not included.
     """
-    _, _, patterns = _classify(params, settings)
+    local, _, patterns = _classify(params, settings)
+    held = _held_loads(params, local)
     out = []
     for key, members in patterns:
-        jobs, order = _pattern_chunks(params, members, settings, key[-1])
+        jobs, order = _pattern_chunks(params, members, settings, key[-1], held)
         out.append(([WorldJob(j.param, j.shape, j.cost, j.owner, key[-1], j.cut, j.group, j.widths, j.unit)
                      for j in jobs], order))
     return out
@@ -487,10 +491,34 @@ def _classify(params: Sequence[PlanParam], settings: PlanSettings):
     return local, gather_all, sorted(patterns.items(), key=lambda kv: kv[1][0])
 
 
-def _pattern_chunks(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool):
-    jobs = _pattern_jobs(params, members, settings, split)
+def _pattern_chunks(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool,
+                    held: Callable[[], dict[int, float]] = dict):
+    jobs = _pattern_jobs(params, members, settings, split, held)
     chunk_size = settings.chunk_size or len(params[members[0]].layout.grid.ranks)
     return jobs, _cut_units_together(jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size))
+
+
+def _held_loads(params: Sequence[PlanParam], local: Sequence[int]) -> Callable[[], dict[int, float]]:
+    """Every rank's Newton-Schulz cost of the DTensor units it orthogonalises where it is (experts
+    held whole, replicated weights): computed once, when the choice of cuts first needs it (it
+    touches every rank of the world)."""
+    memo: list[dict[int, float]] = []
+
+    def held() -> dict[int, float]:
+        if not memo:
+            loads: dict[int, float] = {}
+            for i in local:
+                lay = params[i].layout
+                if lay is None:
+                    continue  # plain tensors: the same on every rank
+                for r in lay.grid.ranks:
+                    shape = lay.local_shape(lay.grid.coordinate(r))
+                    if math.prod(shape) > 0:
+                        loads[r] = loads.get(r, 0.0) + params[i].cost(shape)
+            memo.append(loads)
+        return memo[0]
+
+    return held
 
 
 def _cut_units_together(jobs: Sequence[_Job], order: list[list[int]]) -> list[list[int]]:
@@ -528,6 +556,7 @@ def build_plan(
     communicates.
     """
     local_ix, gather_ix, patterns = _classify(params, settings)
+    held = _held_loads(params, local_ix)
     plan = StepPlan()
     for i in local_ix:
         shape = _local_shape(params[i], rank)
@@ -541,7 +570,7 @@ def build_plan(
         plan.load += params[i].cost(params[i].shape)
     for pattern_index, (key, members) in enumerate(patterns):
         split = key[-1]
-        jobs, order = _pattern_chunks(params, members, settings, split)
+        jobs, order = _pattern_chunks(params, members, settings, split, held)
         plan.jobs += len(jobs)
         view = _RankView(params, rank, split, resolve_group, params[members[0]])
         for chunk_jobs in order:

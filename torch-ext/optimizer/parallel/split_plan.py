@@ -36,7 +36,8 @@ units, a class of similar units (within :data:`CLASS_BAND` of the class's costli
 doubled (to the next allowed k that is modelled faster) when that lowers the busiest rank of the
 resulting assignment by at least :data:`MIN_GAIN`: the costliest class that pays, else the first
 pair of classes that pays together (cutting the largest units further may only pay once the
-next ones are cut too), repeatedly, until none does.  The assignment (:func:`assign`) is LPT
+next ones are cut too), repeatedly, until none does.  The busiest rank counts what each rank
+orthogonalises where it is (experts held whole): no cut can move that work.  The assignment (:func:`assign`) is LPT
 over whole and cut units together: a cut unit goes to the group whose busiest member is least
 loaded.  Small units stay whole: splitting them is modelled slower, or does not lower the
 busiest rank.
@@ -307,23 +308,29 @@ class UnitOptions:
         return self.cost if k == 1 else self.member_cost(k)
 
 
-def assign(units: Sequence[UnitOptions], ks: Sequence[int]) -> tuple[list[int], dict[int, float]]:
-    """LPT over whole and cut units (:func:`~.owners.assign_owners_grouped`): per unit the owner
-    (k = 1) or the index of its group among ``units[i].groups(k)``; and every rank's load."""
+def assign(units: Sequence[UnitOptions], ks: Sequence[int],
+           held: dict[int, float] | None = None) -> tuple[list[int], dict[int, float]]:
+    """LPT over whole and cut units (:func:`~.owners.assign_owners_grouped`), on top of ``held``
+    (each rank's load from units it orthogonalises where it is): per unit the owner (k = 1) or the
+    index of its group among ``units[i].groups(k)``; and every rank's load."""
     costs = [u.at(k) for u, k in zip(units, ks)]
     candidates = [u.candidates if k == 1 else None for u, k in zip(units, ks)]
     groups = [None if k == 1 else u.groups(k) for u, k in zip(units, ks)]
-    return assign_owners_grouped(costs, candidates, groups if any(k > 1 for k in ks) else None)
+    return assign_owners_grouped(costs, candidates, groups if any(k > 1 for k in ks) else None, held)
 
 
-def choose_ks(units: Sequence[UnitOptions], world: int) -> list[int] | None:
-    """k per unit (see the module docstring), or None when every unit stays whole."""
+def choose_ks(units: Sequence[UnitOptions], world: int,
+              held: Callable[[], dict[int, float]] = dict) -> list[int] | None:
+    """k per unit (see the module docstring), or None when every unit stays whole.  ``held()``:
+    every rank's load from units it orthogonalises where it is, which no cut can move (the busiest
+    rank counts them)."""
     ks = [u.forced for u in units]
     auto = [i for i, u in enumerate(units) if u.ks and u.forced == 1]
     total = sum(u.cost for u in units)
     if not auto or max(units[i].cost for i in auto) <= TRIGGER * total / max(1, world):
         return ks if any(k > 1 for k in ks) else None
-    best = _busiest(units, ks)
+    base = held()
+    best = _busiest(units, ks, base)
     while True:  # each pass keeps the first move that pays: one class, costliest first, else two together
         classes = [(cls, steps) for cls in _classes(units, auto, ks)
                    if (steps := {i: k for i in cls if (k := units[i].next_k(ks[i])) is not None})]
@@ -334,7 +341,7 @@ def choose_ks(units: Sequence[UnitOptions], world: int) -> list[int] | None:
             for steps in move:
                 for i, k in steps.items():
                     trial[i] = k
-            busiest = _busiest(units, trial)
+            busiest = _busiest(units, trial, base)
             if busiest <= best * (1 - MIN_GAIN):
                 ks, best = trial, busiest
                 break
@@ -343,8 +350,8 @@ def choose_ks(units: Sequence[UnitOptions], world: int) -> list[int] | None:
     return ks if any(k > 1 for k in ks) else None
 
 
-def _busiest(units: Sequence[UnitOptions], ks: Sequence[int]) -> float:
-    _, loads = assign(units, ks)
+def _busiest(units: Sequence[UnitOptions], ks: Sequence[int], held: dict[int, float]) -> float:
+    _, loads = assign(units, ks, held)
     return max(loads.values(), default=0.0)
 
 
