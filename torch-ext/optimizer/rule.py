@@ -224,9 +224,10 @@ class MatrixStep:
         A post-processing of O that needs whole rows (NorMuon's per-row mean of O*O, then a
         per-matrix Frobenius rescale) hooks in here, after the split call:
         ``split_newton_schulz.row_sums_of_squares(block, group, rows_whole)`` gives every row's
-        sum over the whole matrix with at most one all-reduce of ``rows`` numbers (none for a
-        tall matrix, whose row blocks hold whole rows of the parameter), and the matrix's squared
-        Frobenius norm with it; every member then computes the same row statistics."""
+        sum over the whole matrix and the squared Frobenius norm with one all-reduce: of ``rows``
+        numbers for a wide matrix cut by columns (every member holds every row), of one number for
+        a tall one (its row blocks hold whole rows: the row sums are local); every member then
+        computes the same row statistics."""
         return self.orthogonalize.split(x, widths, group)
 
     def input_into(self, out: Tensor, region: tuple = ()) -> None:
