@@ -16,6 +16,9 @@ gradients, it times ``optimizer.step()`` of
                several replicas are split over them, ``replica_split="auto"``);
   * repeat     the same with ``replica_split="never"``: every replica orthogonalises
                its own copy (the path before the split; only with replicas);
+  * whole      the same with ``ns_split="never"``: every matrix orthogonalised whole by one
+               owner (only when ``parallel``, whose default ``ns_split="auto"`` may cut a
+               matrix over several ranks, cut one: with fewer matrices than ranks);
   * classic    the same with ``ns_method="classic"``: the per-shape choice of the
                Gram-space Newton–Schulz off (where the compute dtype lets auto pick it:
                fp32, i.e. on CPU; only then is this variant run);
@@ -75,9 +78,10 @@ from optimizer import Muon, QKClipConfig  # noqa: E402
 from optimizer.testing import torch_muon_newton_schulz as torch_muon_ns_dtype  # noqa: E402
 from optimizer.newton_schulz import choose_ns_method, default_compute_dtype, newton_schulz_flops  # noqa: E402
 
-VARIANTS = ("parallel", "repeat", "classic", "gather", "torch", "titan", "adamw")
+VARIANTS = ("parallel", "whole", "repeat", "classic", "gather", "torch", "titan", "adamw")
 VARIANT_LABELS = {
     "parallel": "parallel Muon (this project)",
+    "whole": "parallel Muon, every matrix whole on one rank (ns_split never)",
     "repeat": "parallel Muon, replicas repeat the work",
     "classic": "parallel Muon, classic Newton–Schulz only",
     "gather": "gather-everything Muon (this project)",
@@ -86,6 +90,7 @@ VARIANT_LABELS = {
     "adamw": "torch.optim.AdamW (floor)",
 }
 STAGES = ("gather", "orthogonalize", "scatter", "exchange", "update", "qk_clip")
+MUON_VARIANTS = ("parallel", "whole", "repeat", "classic", "gather")
 LAYOUTS = ("fsdp_tp", "strided", "s0s1", "hsdp", "replicated")
 # Same hyper-parameters for every variant (the values do not change the cost).
 LR, WEIGHT_DECAY, MOMENTUM = 0.02, 0.1, 0.95
@@ -196,9 +201,10 @@ def placements_for(kind: str, mesh_names: tuple[str, ...], mesh_shape: tuple[int
 
 def make_optimizer(variant: str, named: list[tuple[str, torch.nn.Parameter]], head_dim: int, qk_clip: bool):
     params = [p for _, p in named]
-    if variant in ("parallel", "repeat", "classic", "gather"):
+    if variant in MUON_VARIANTS:
         groups = [{"params": params, "param_names": [n for n, _ in named], "use_muon": True,
-                   "ns_method": "classic" if variant == "classic" else "auto"}]
+                   "ns_method": "classic" if variant == "classic" else "auto",
+                   "ns_split": "never" if variant == "whole" else "auto"}]
         return Muon(groups, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
                     distributed_mode="gather" if variant == "gather" else "parallel",
                     replica_split="never" if variant == "repeat" else "auto",
@@ -266,7 +272,7 @@ class VariantRun:
         named = build_params(specs, mesh, mesh_names, args.layout, device, args.seed)
         self.named = named
         self.steps_taken = 0
-        qk = variant in ("parallel", "repeat", "classic", "gather") and not args.no_qk_clip
+        qk = variant in MUON_VARIANTS and not args.no_qk_clip
         self.opt = make_optimizer(variant, named, args.head_dim, qk)
         self.kwargs = {"qk_logits": qk_logits_for(specs, args.head_dim)} if qk else {}
         self.ns_dtype = resolve_torch_muon_dtype(args.torch_muon_dtype, device) if variant == "torch" else None
@@ -288,7 +294,8 @@ class VariantRun:
             st = self.opt.last_step_stats
             self.stats.append(dict(seconds=dict(st.seconds), bytes_sent=st.bytes_sent,
                                    bytes_received=st.bytes_received, all_to_alls=st.all_to_alls,
-                                   all_gathers=st.all_gathers, chunks=st.chunks))
+                                   all_gathers=st.all_gathers, chunks=st.chunks, split_units=st.split_units,
+                                   split_bytes=st.split_bytes))
 
 
 def single_device_deviation(run_: "VariantRun", specs, args, device) -> float:
@@ -356,6 +363,12 @@ def measure(variants, specs, mesh, mesh_names, args, device, world_size) -> tupl
         failed = _agree_on_errors(failed, world_size)
         for bad in failed:
             runs.pop(bad, None)
+    if "whole" in runs and "parallel" in runs:  # nothing cut: "whole" is "parallel"; drop it
+        cut = torch.tensor([runs["parallel"].opt.last_step_stats.split_units])
+        dist.all_reduce(cut)
+        if not cut.item():
+            runs.pop("whole")
+            failed["whole"] = "not run: ns_split='auto' cut no matrix here, so it equals parallel Muon"
     for _ in range(args.steps):
         for v, run_ in list(runs.items()):
             try:
@@ -389,7 +402,9 @@ def stage_summary(stats: list[dict], step_times: list[float]) -> dict:
     seconds["other"] = statistics.median(others)
     last = stats[-1]
     return dict(seconds=seconds, bytes_sent=last["bytes_sent"], bytes_received=last["bytes_received"],
-                all_to_alls=last["all_to_alls"], all_gathers=last["all_gathers"], chunks=last["chunks"])
+                all_to_alls=last["all_to_alls"], all_gathers=last["all_gathers"], chunks=last["chunks"],
+                split_units=last.get("split_units", 0), split_bytes=last.get("split_bytes", 0),
+                step_s=statistics.median(step_times))
 
 
 def hardware(device: torch.device, world_size: int, threads: int) -> dict:
@@ -451,11 +466,26 @@ def render_markdown(result: dict) -> str:
         lines += ["", f"Newton–Schulz form chosen per shape vs classic only: **{split['time']['median_s'] / classic['time']['median_s']:.2f}x** "
                   f"(medians; paired {1 / classic['paired_ratio_median']:.2f}x); Newton–Schulz "
                   f"{sz['ns_gflop_chosen']:.1f} vs {sz['ns_gflop']:.1f} GFLOP per step."]
+    whole = result["results"].get("whole", {})
+    if "time" in split and "time" in whole:
+        lines += ["", "Newton–Schulz of a matrix split over ranks (ns_split auto) vs every matrix whole on one rank: "
+                  f"**{split['time']['median_s'] / whole['time']['median_s']:.2f}x** "
+                  f"(medians; paired {1 / whole['paired_ratio_median']:.2f}x)."]
+    for v in ("parallel", "whole"):
+        per_rank = result["results"].get(v, {}).get("stages_per_rank")
+        if per_rank:
+            busiest = max(range(len(per_rank)), key=lambda r: per_rank[r]["seconds"]["orthogonalize"])
+            st = per_rank[busiest]
+            lines += ["", f"{VARIANT_LABELS[v]}: the busiest rank's Newton–Schulz (orthogonalize stage, rank "
+                      f"{busiest}) {st['seconds']['orthogonalize']:.4f} s of a {st['step_s']:.4f} s step "
+                      f"({100 * st['seconds']['orthogonalize'] / st['step_s']:.0f}%); blocks of cut matrices per rank "
+                      f"{[p['split_units'] for p in per_rank]}, their collectives {_fmt_bytes(st['split_bytes'])} "
+                      "sent per rank (modelled)."]
     repeat = result["results"].get("repeat", {})
     if "time" in split and "time" in repeat:
         lines += ["", f"Split over replicas vs replicas repeating the work: **{split['time']['median_s'] / repeat['time']['median_s']:.2f}x** "
                   f"(medians; paired {1 / repeat['paired_ratio_median']:.2f}x)."]
-    for v in ("parallel", "repeat", "classic", "gather"):
+    for v in MUON_VARIANTS:
         per_rank = result["results"].get(v, {}).get("stages_per_rank")
         if not per_rank:
             continue
@@ -477,6 +507,16 @@ def render_markdown(result: dict) -> str:
 # ---------------------------------------------------------------------- main
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        out = [tuple(int(d) for d in s.lower().split("x")) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shapes takes ROWSxCOLS[,ROWSxCOLS...], got {text!r}") from None
+    if not out or any(len(s) != 2 or min(s) < 1 for s in out):
+        raise argparse.ArgumentTypeError(f"--shapes takes ROWSxCOLS[,ROWSxCOLS...], got {text!r}")
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -486,6 +526,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: dim // head_dim, MHA)")
     p.add_argument("--mesh", default="", help="'N' (dp_shard) or 'DP,TP'; default: a 1-D mesh of all ranks")
+    p.add_argument("--shapes", type=_shapes, default=None,
+                   help="explicit matrices instead of the transformer, e.g. 2048x2048,2048x2048 (no QK-clip)")
     p.add_argument("--config", default=None, help="take the mesh from this TOML's [mesh] table")
     p.add_argument("--layout", choices=LAYOUTS, default="fsdp_tp", help="placements on a mesh with tp")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
@@ -531,6 +573,9 @@ def run(args, rank: int, world_size: int, device: torch.device) -> dict | None:
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_names)
     kv_heads = args.kv_heads or args.dim // args.head_dim
     specs = transformer_matrices(args.dim, args.layers, args.ffn_dim, args.head_dim, kv_heads)
+    if args.shapes:  # explicit matrices instead of the transformer (e.g. fewer matrices than ranks)
+        specs = [MatrixSpec(f"m{i}.weight", shape, "col") for i, shape in enumerate(args.shapes)]
+        args.no_qk_clip = True  # no attention weights to clip
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
     if "dp_replicate" not in mesh_names and "repeat" in variants:
         variants.remove("repeat")  # no replicas: the same as parallel
@@ -539,6 +584,9 @@ def run(args, rank: int, world_size: int, device: torch.device) -> dict | None:
         variants.remove("classic")  # auto picks classic for every shape here (bf16): the same as parallel
 
     runs, failed = measure(variants, specs, mesh, mesh_names, args, device, world_size)
+    if failed.get("whole", "").startswith("not run: ns_split"):
+        variants.remove("whole")  # nothing was cut: it would be parallel Muon again
+        del failed["whole"]
     for run_ in runs.values():  # collective: every rank takes part, rank 0 keeps the result
         run_.fulls = [(n, p.full_tensor().detach()) for n, p in run_.named]
     results: dict[str, dict] = {}

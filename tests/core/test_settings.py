@@ -36,16 +36,16 @@ SPECS = [
 # per-group options).  A new option without an entry fails test_every_option_has_an_alternative.
 CONSTRUCTOR_ALTERNATIVES = {
     "lr": 0.03, "weight_decay": 0.2, "momentum": 0.9, "nesterov": False, "ns_steps": 4,
-    "ns_coefficients": "polar_express", "ns_method": "classic", "adjust_lr": "original", "adamw_eps": 1e-6,
-    "adamw_betas": (0.8, 0.9), "maximize": True, "eps": 1e-6, "adjust_lr_fn": "original",
+    "ns_coefficients": "polar_express", "ns_method": "classic", "ns_split": "never", "adjust_lr": "original",
+    "adamw_eps": 1e-6, "adamw_betas": (0.8, 0.9), "maximize": True, "eps": 1e-6, "adjust_lr_fn": "original",
     "compute_dtype": torch.float64,
     "qk_clip": QKClipConfig(head_dim=4, threshold=1e9), "distributed_mode": "gather", "chunk_size": 1,
     "lookahead": 2, "replica_split": "never", "replica_split_flops_per_byte": 7.0, "skip_nonfinite": True,
 }
 GROUP_ALTERNATIVES = {
     "lr": 0.03, "weight_decay": 0.2, "momentum": 0.9, "nesterov": False, "ns_steps": 4,
-    "ns_coefficients": "polar_express", "ns_method": "classic", "adjust_lr": "original", "eps": 1e-6,
-    "betas": (0.8, 0.9), "maximize": True, "muon_row_blocks": "heads:2", "muon_transposed": True,
+    "ns_coefficients": "polar_express", "ns_method": "classic", "ns_split": "always", "adjust_lr": "original",
+    "eps": 1e-6, "betas": (0.8, 0.9), "maximize": True, "muon_row_blocks": "heads:2", "muon_transposed": True,
 }
 
 

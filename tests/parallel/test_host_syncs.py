@@ -40,6 +40,10 @@ def _specs(case: str, copies: int):
         "hsdp_split": ((2, 2), [("layers.{i}.attention.wq.weight", Q, ["R", "S0"]),
                                 ("layers.{i}.attention.wk.weight", K, ["R", "S0"]),
                                 ("layers.{i}.ffn.w1.weight", (7, 5), ["R", "R"])]),
+        # Newton–Schulz split over the shard group (ns_split="always"): wide, tall, experts
+        "ns_split": ((4,), [("layers.{i}.attention.wq.weight", Q, ["S0"]),
+                            ("layers.{i}.attention.wk.weight", K, ["S0"]),
+                            ("layers.{i}.ffn.w1.weight", (40, 12), ["S0"]), ("layers.{i}.moe.w1", (2, 8, 24), ["S1"])]),
     }[case]
     mesh_shape, templates = base
     return mesh_shape, [(n.format(i=i), shape, pl) for i in range(copies) for n, shape, pl in templates]
@@ -55,7 +59,8 @@ def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite):
     named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
              for n, _, pl in specs]
     opt = Muon(build_groups(named), lr=0.02, skip_nonfinite=skip_nonfinite, replica_split="always",
-               qk_clip=QKClipConfig(head_dim=HEAD_DIM, threshold=1.0) if qk else None)
+               qk_clip=QKClipConfig(head_dim=HEAD_DIM, threshold=1.0) if qk else None,
+               ns_split="always" if case == "ns_split" else "auto")
     counts = []
     for s in range(2):
         for n, p in named:
@@ -67,18 +72,19 @@ def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite):
         with HostSyncs() as syncs:
             opt.step(qk_logits=logits)
         counts.append(syncs.events)
-    return counts[0], opt.last_step_stats.chunks
+    return counts[0], opt.last_step_stats.chunks, opt.last_step_stats.split_units
 
 
 @pytest.mark.parametrize("case, qk, skip", [
     ("fsdp", True, True), ("fsdp_tp", True, False), ("experts", True, True), ("hsdp_split", True, True),
-    ("fsdp_tp", False, False),
+    ("fsdp_tp", False, False), ("ns_split", True, True),
 ])
 def test_one_host_read_per_step_whatever_the_number_of_parameters(case, qk, skip):
     for copies in (1, 3):
-        for events, chunks in run_ranks(_watch_step, 4, case, copies, qk, skip, timeout=120):
+        for events, chunks, split_units in run_ranks(_watch_step, 4, case, copies, qk, skip, timeout=120):
             assert events == ["tolist"], (case, copies, events)  # the agreement's one read-back
             assert chunks >= 1
+            assert (split_units > 0) == (case == "ns_split")
 
 
 def test_the_recorder_sees_what_it_must():

@@ -117,7 +117,7 @@ class Muon(Optimizer):
                 resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], name, f"Muon: param_groups[{index}]"), name, p.shape)
 
     def _create_process_groups(self, param_groups: list[dict], only_if_missing: bool = False) -> None:
-        create_process_groups(self.param_groups, param_groups, self._layouts, only_if_missing)
+        create_process_groups(self.param_groups, param_groups, self._layouts, self.settings, only_if_missing)
 
     # ------------------------------------------------------------------ step
 

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .newton_schulz import zeropower_via_newtonschulz
+from .parallel.split_newton_schulz import split_zeropower_via_newtonschulz
 from .qk_clip.step import apply_clip_
 from .row_blocks import RowBlocks, compile_blocks
 
@@ -118,6 +119,13 @@ class NewtonSchulz:
         return zeropower_via_newtonschulz(x, ns_steps=self.ns_steps, coefficients=self.coefficients, eps=self.eps,
                                           compute_dtype=self.compute_dtype, method=self.method)
 
+    def split(self, x: Tensor, widths: Sequence[int], group) -> Tensor:
+        """This rank's column block of ``self(whole)``, the matrix's column blocks (``widths``, in
+        group-rank order) spread over ``group`` (``x`` short side first; collective)."""
+        return split_zeropower_via_newtonschulz(x, widths, group, ns_steps=self.ns_steps,
+                                                coefficients=self.coefficients, eps=self.eps,
+                                                compute_dtype=self.compute_dtype, method=self.method)
+
 
 def block_lr_factor(rows_per_block: int, full_shape: Sequence[int], mode: str | None) -> float:
     """``adjust_lr(1, [rows_per_block, in]) / adjust_lr(1, full_shape)`` (1 without adjustment)."""
@@ -206,6 +214,21 @@ class MatrixStep:
     @property
     def scales_rows(self) -> bool:
         return self.clip is not None
+
+    def orthogonalize_split(self, x: Tensor, widths: Sequence[int], group) -> Tensor:
+        """The owner's stage for one block of a matrix cut over ``group`` (``ns_split``): ``x`` is
+        this rank's column block, short side first (the runtime transposes a tall matrix's row
+        block), ``widths`` every member's block width in group-rank order.  Returns this rank's
+        block of what :attr:`orthogonalize` returns for the whole matrix.  Collective on ``group``.
+
+        A post-processing of O that needs whole rows (NorMuon's per-row mean of O*O, then a
+        per-matrix Frobenius rescale) hooks in here, after the split call:
+        ``split_newton_schulz.row_sums_of_squares(block, group, rows_whole)`` gives every row's
+        sum over the whole matrix and the squared Frobenius norm with one all-reduce: of ``rows``
+        numbers for a wide matrix cut by columns (every member holds every row), of one number for
+        a tall one (its row blocks hold whole rows: the row sums are local); every member then
+        computes the same row statistics."""
+        return self.orthogonalize.split(x, widths, group)
 
     def input_into(self, out: Tensor, region: tuple = ()) -> None:
         nesterov_input_(out, _region(self.grad, region), _region(self.buf, region), self.momentum, self.nesterov)

@@ -272,6 +272,11 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
                 _ns_method, plan=True),
     GroupOption("eps", (MUON,), 1e-7, "Newton–Schulz normalisation epsilon: X / max(||X||_F, eps), in fp32 "
                 "(torch.optim.Muon's eps)", _positive),
+    GroupOption("ns_split", (MUON,), "auto",
+                "Newton–Schulz of one matrix split over several ranks of its shard group: 'auto' where the cost "
+                "model says it lowers the busiest rank, 'always' every matrix whose short side has at least as "
+                "many rows as the shard group has ranks (over the whole shard group), 'never'",
+                _one_of("auto", "never", "always"), plan=True),
     GroupOption("adjust_lr", (MUON,), "match_rms_adamw",
                 "'match_rms_adamw': 0.2 sqrt(max(A, B)); 'original': sqrt(max(1, A/B)); None: none. "
                 "torch-style calls default to 'original', as torch.optim.Muon",

@@ -30,6 +30,8 @@ from .distributed import agreement, groups
 from .distributed.layout import MeshGrid, ParamLayout
 from .newton_schulz import default_compute_dtype, newton_schulz_flops
 from .parallel.plan import PlanParam, PlanSettings, StepPlan, build_plan
+from .parallel.split_newton_schulz import SplitHardware, hardware_for
+from .parallel.split_plan import SplitModel, rank_sets
 from .qk_clip.plan import QKClipPlan, build_qk_clip_plan
 from .qk_clip.step import ClipStep, check_layer_gradients, check_step_logits, compute_clip_step, describe_nonfinite
 from .matrix_view import TRANSPOSED_KEY, transposed_for, view_placements, view_shape
@@ -164,7 +166,7 @@ class StepContext:
             except ValueError as err:
                 self.errors.append(str(err))
         plan_params = [self._plan_param(i) for i in range(len(self.muon))]
-        self.missing_groups = self._missing_groups()
+        self.missing_groups = self._missing_groups(param_groups)
         if not self.errors and not self.missing_groups:
             self._plan(plan_params)
 
@@ -213,9 +215,10 @@ class StepContext:
             device=local_view(p).device, ns_key=ns_key, cost=cost,
             mesh=p.device_mesh if layout is not None else None,
             compute_itemsize=compute.itemsize, state_itemsize=p.dtype.itemsize,
+            split=split_model(group, compute, local_view(p).device) if group.get(ROW_BLOCKS_KEY) is None else None,
         )
 
-    def _missing_groups(self) -> list[tuple[int, ...]]:
+    def _missing_groups(self, param_groups: Sequence[Mapping]) -> list[tuple[int, ...]]:
         """Rank sets the plan needs a process group for that this process has not created: the
         parameters became DTensors after the optimizer was built (accelerate's FSDP2 swaps them in).
         Every rank then creates them at this step, together (``Muon.step``)."""
@@ -224,7 +227,9 @@ class StepContext:
             return []
         union = sorted({r for e in dtensors for r in self._layouts.grid(e.param.device_mesh).ranks})
         layouts = [(self._layouts.of(e.param, e.transposed), e.param.device_mesh) for e in dtensors]
-        return [s for s in groups.rank_sets_needed(layouts, union) if not groups.has_group(s)]
+        needed = set(groups.rank_sets_needed(layouts, union)) | set(split_rank_sets(param_groups, self.settings,
+                                                                                   self._layouts))
+        return [s for s in sorted(needed) if not groups.has_group(s)]
 
     def create_missing_groups(self, outcome: agreement.Outcome) -> bool:
         """Parameters that became DTensors after construction (accelerate's FSDP2 idiom) may need
@@ -369,9 +374,10 @@ class StepContext:
 
 
 def create_process_groups(all_groups: Sequence[Mapping], new_groups: Sequence[Mapping], layouts: Layouts,
-                          only_if_missing: bool = False) -> None:
+                          settings: MuonSettings, only_if_missing: bool = False) -> None:
     """Create, collectively, every process group the parallel step will use for ``new_groups``'
-    DTensor matrices (``distributed/groups.py``); ``all_groups``' meshes give the optimizer's ranks."""
+    DTensor matrices (``distributed/groups.py``; split Newton–Schulz's too); ``all_groups``'
+    meshes give the optimizer's ranks."""
     dtensors = [p for g in all_groups for p in g["params"] if is_dtensor(p)]
     if not dtensors or not dist.is_initialized():
         return
@@ -379,6 +385,7 @@ def create_process_groups(all_groups: Sequence[Mapping], new_groups: Sequence[Ma
     needed = groups.rank_sets_needed(  # parameters step() refuses need none
         [(layouts.of(p), p.device_mesh) for g in new_groups for p in g["params"]
          if g["use_muon"] and is_dtensor(p) and p.dim() >= 2 and param_problem("", p) is None], union)
+    needed = sorted(set(needed) | set(split_rank_sets(new_groups, settings, layouts)))
     if only_if_missing and all(groups.has_group(s) for s in needed):
         return
     groups.create_collectively(needed)
@@ -406,6 +413,40 @@ def ns_cost(group: Mapping, compute_dtype: torch.dtype) -> Callable[[tuple[int, 
         return float(newton_schulz_flops(shape, steps, method, compute_dtype, coefficients))
 
     return cost
+
+
+def split_hardware(device: torch.device) -> SplitHardware:
+    """The figures ``ns_split="auto"`` plans with on ``device`` (tests swap in others)."""
+    return hardware_for(device)
+
+
+def split_model(group: Mapping, compute_dtype: torch.dtype, device: torch.device) -> SplitModel | None:
+    """How a Muon group's matrices may be split over ranks (``ns_split``), or None for "never".
+    Weights with row blocks are never split (``_plan_param``): their blocks are orthogonalised
+    apart, each with its own lr factor."""
+    mode = group.get("ns_split", "auto")
+    if mode == "never":
+        return None
+    return SplitModel.of(mode, split_hardware(device), group["ns_steps"], group.get("ns_method", "auto"),
+                         group["ns_coefficients"], compute_dtype)
+
+
+def split_rank_sets(param_groups: Sequence[Mapping], settings: MuonSettings, layouts: Layouts) -> list[tuple[int, ...]]:
+    """Every rank set a split Newton–Schulz of these groups' DTensor matrices may run on
+    (``split_plan.rank_sets``): created with the other process groups, collectively, at
+    construction and in ``add_param_group``."""
+    out: set[tuple[int, ...]] = set()
+    for group in param_groups:
+        if not group["use_muon"] or group.get(ROW_BLOCKS_KEY) is not None:
+            continue
+        for p in group["params"]:
+            if not is_dtensor(p) or p.dim() < 2 or param_problem("", p) is not None:
+                continue
+            device = local_view(p).device
+            model = split_model(group, settings.compute_dtype or default_compute_dtype(device), device)
+            out |= rank_sets(tuple(p.shape), layouts.of(p), model)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return sorted(s for s in out if 1 < len(s) < world)
 
 
 def blocks_cost(blocks: RowBlocks, matrix_cost: Callable) -> Callable[[tuple[int, ...]], float]:
