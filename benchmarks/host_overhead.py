@@ -15,6 +15,11 @@ Layouts: FSDP ``(Shard(0),)`` on a 1-D mesh of the world, and FSDP+TP on a
 ``(Shard(0), Shard(1))`` matrices, half each.  One thread.  Prints ms per step, µs per
 parameter and the ratio to the smallest world, per layout and parameter count;
 writes ``bench_results/host_overhead.{json,md}``.
+
+``--split free``: plan ``ns_split="auto"`` with free communication, so that wherever there are
+fewer matrices than ranks (200 at world 256 and 1024) they are cut over 2-8 ranks: the host work
+of cut units (their pieces, and the split iteration's calls, whose collectives the fake group
+skips) is timed too.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ def measure(world: int, layout: str, num_params: int, steps: int, rank: int = 0)
         p.grad = g
     t0 = time.perf_counter()
     opt = Muon([{"params": params, "use_muon": True}], lr=0.02)
+    groups_made = len(__import__("optimizer.distributed.groups", fromlist=["x"]).CREATION_LOG)
     construct = time.perf_counter() - t0
     t0 = time.perf_counter()
     opt.step()  # builds and caches the step plan
@@ -108,7 +114,7 @@ def measure(world: int, layout: str, num_params: int, steps: int, rank: int = 0)
     dist.destroy_process_group()
     return dict(world=world, layout=layout, params=num_params, ms=ms, us_per_param=ms * 1e3 / num_params,
                 first_step_ms=first * 1e3, construct_ms=construct * 1e3, chunks=stats.chunks,
-                owned=stats.owned, min_ms=min(times) * 1e3)
+                owned=stats.owned, min_ms=min(times) * 1e3, split_units=stats.split_units, groups=groups_made)
 
 
 def main(argv=None) -> int:
@@ -117,10 +123,18 @@ def main(argv=None) -> int:
     ap.add_argument("--params", type=int, nargs="+", default=[200, 2000])
     ap.add_argument("--layouts", nargs="+", default=["fsdp", "fsdp_tp"])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--split", choices=("auto", "free"), default="auto",
+                    help="ns_split's figures: the device's (64x64 matrices stay whole), or free communication")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_results"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     dist.all_reduce = _as_if_every_rank_agreed(dist.all_reduce)
+    if args.split == "free":
+        from optimizer import step_context
+        from optimizer.parallel.split_newton_schulz import SplitHardware
+
+        free = SplitHardware("free communication", 1e12, 1e12, 1e18, 0.0, torch.float32)
+        step_context.split_hardware = lambda device: free
     results = []
     for layout in args.layouts:
         for n in args.params:
@@ -133,13 +147,14 @@ def main(argv=None) -> int:
         f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread",
         "",
         "| layout | params | world | ms/step | µs/param | vs world "
-        f"{min(args.worlds)} | first step ms | chunks | owned |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"{min(args.worlds)} | first step ms | chunks | owned | cut blocks owned | groups made |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         r["ratio"] = r["ms"] / base[(r["layout"], r["params"])]
         lines.append(f"| {r['layout']} | {r['params']} | {r['world']} | {r['ms']:.1f} | {r['us_per_param']:.0f} | "
-                     f"{r['ratio']:.2f}x | {r['first_step_ms']:.0f} | {r['chunks']} | {r['owned']} |")
+                     f"{r['ratio']:.2f}x | {r['first_step_ms']:.0f} | {r['chunks']} | {r['owned']} | "
+                     f"{r['split_units']} | {r['groups']} |")
     checks = []
     for r in results:
         if r["world"] == max(args.worlds):

@@ -18,6 +18,9 @@ gradients, it times ``optimizer.step()`` of
   * cautious   the same with cautious weight decay (``cautious_wd=True``);
   * repeat     the same with ``replica_split="never"``: every replica orthogonalises
                its own copy (the path before the split; only with replicas);
+  * whole      the same with ``ns_split="never"``: every matrix orthogonalised whole by one
+               owner (only when ``parallel``, whose default ``ns_split="auto"`` may cut a
+               matrix over several ranks, cut one: with fewer matrices than ranks);
   * classic    the same with ``ns_method="classic"``: the per-shape choice of the
                Gram-space Newton–Schulz off (where the compute dtype lets auto pick it:
                fp32, i.e. on CPU; only then is this variant run);
@@ -77,12 +80,13 @@ from optimizer import Muon, QKClipConfig  # noqa: E402
 from optimizer.testing import torch_muon_newton_schulz as torch_muon_ns_dtype  # noqa: E402
 from optimizer.newton_schulz import choose_ns_method, default_compute_dtype, newton_schulz_flops  # noqa: E402
 
-VARIANTS = ("parallel", "normuon", "cautious", "repeat", "classic", "gather", "torch", "titan", "adamw")
+VARIANTS = ("parallel", "normuon", "cautious", "whole", "repeat", "classic", "gather", "torch", "titan", "adamw")
 # Muon's options per variant of this project's optimizer (the rest are as "parallel").
 OWN_VARIANTS = {
     "parallel": {},
     "normuon": {"normuon_beta2": 0.95},
     "cautious": {"cautious_wd": True},
+    "whole": {},  # ns_split="never" in its group
     "repeat": {"replica_split": "never"},
     "classic": {},  # ns_method="classic" in its group
     "gather": {"distributed_mode": "gather"},
@@ -91,6 +95,7 @@ VARIANT_LABELS = {
     "parallel": "parallel Muon (this project)",
     "normuon": "parallel NorMuon (beta2 0.95)",
     "cautious": "parallel Muon, cautious weight decay",
+    "whole": "parallel Muon, every matrix whole on one rank (ns_split never)",
     "repeat": "parallel Muon, replicas repeat the work",
     "classic": "parallel Muon, classic Newton–Schulz only",
     "gather": "gather-everything Muon (this project)",
@@ -211,7 +216,8 @@ def make_optimizer(variant: str, named: list[tuple[str, torch.nn.Parameter]], he
     params = [p for _, p in named]
     if variant in OWN_VARIANTS:
         groups = [{"params": params, "param_names": [n for n, _ in named], "use_muon": True,
-                   "ns_method": "classic" if variant == "classic" else "auto"}]
+                   "ns_method": "classic" if variant == "classic" else "auto",
+                   "ns_split": "never" if variant == "whole" else "auto"}]
         return Muon(groups, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, **OWN_VARIANTS[variant],
                     qk_clip=QKClipConfig(head_dim=head_dim, threshold=QK_THRESHOLD) if qk_clip else None)
     if variant == "torch":
@@ -299,7 +305,8 @@ class VariantRun:
             st = self.opt.last_step_stats
             self.stats.append(dict(seconds=dict(st.seconds), bytes_sent=st.bytes_sent,
                                    bytes_received=st.bytes_received, all_to_alls=st.all_to_alls,
-                                   all_gathers=st.all_gathers, chunks=st.chunks))
+                                   all_gathers=st.all_gathers, chunks=st.chunks, split_units=st.split_units,
+                                   split_bytes=st.split_bytes))
 
 
 def single_device_deviation(run_: "VariantRun", specs, args, device) -> float:
@@ -367,6 +374,12 @@ def measure(variants, specs, mesh, mesh_names, args, device, world_size) -> tupl
         failed = _agree_on_errors(failed, world_size)
         for bad in failed:
             runs.pop(bad, None)
+    if "whole" in runs and "parallel" in runs:  # nothing cut: "whole" is "parallel"; drop it
+        cut = torch.tensor([runs["parallel"].opt.last_step_stats.split_units])
+        dist.all_reduce(cut)
+        if not cut.item():
+            runs.pop("whole")
+            failed["whole"] = "not run: ns_split='auto' cut no matrix here, so it equals parallel Muon"
     for _ in range(args.steps):
         for v, run_ in list(runs.items()):
             try:
@@ -400,7 +413,9 @@ def stage_summary(stats: list[dict], step_times: list[float]) -> dict:
     seconds["other"] = statistics.median(others)
     last = stats[-1]
     return dict(seconds=seconds, bytes_sent=last["bytes_sent"], bytes_received=last["bytes_received"],
-                all_to_alls=last["all_to_alls"], all_gathers=last["all_gathers"], chunks=last["chunks"])
+                all_to_alls=last["all_to_alls"], all_gathers=last["all_gathers"], chunks=last["chunks"],
+                split_units=last.get("split_units", 0), split_bytes=last.get("split_bytes", 0),
+                step_s=statistics.median(step_times))
 
 
 def hardware(device: torch.device, world_size: int, threads: int) -> dict:
@@ -473,6 +488,21 @@ def render_markdown(result: dict) -> str:
                       f"(medians; paired {row['paired_ratio_median']:.3f}x); collectives per step "
                       f"{'the same' if same else 'DIFFERENT'} ({row['stages_per_rank'][0]['all_to_alls']} all-to-alls, "
                       f"{row['stages_per_rank'][0]['all_gathers']} all-gathers on rank 0), bytes sent {extra:+.2%}."]
+    whole = result["results"].get("whole", {})
+    if "time" in split and "time" in whole:
+        lines += ["", "Newton–Schulz of a matrix split over ranks (ns_split auto) vs every matrix whole on one rank: "
+                  f"**{split['time']['median_s'] / whole['time']['median_s']:.2f}x** "
+                  f"(medians; paired {1 / whole['paired_ratio_median']:.2f}x)."]
+    for v in ("parallel", "whole"):
+        per_rank = result["results"].get(v, {}).get("stages_per_rank")
+        if per_rank:
+            busiest = max(range(len(per_rank)), key=lambda r: per_rank[r]["seconds"]["orthogonalize"])
+            st = per_rank[busiest]
+            lines += ["", f"{VARIANT_LABELS[v]}: the busiest rank's Newton–Schulz (orthogonalize stage, rank "
+                      f"{busiest}) {st['seconds']['orthogonalize']:.4f} s of a {st['step_s']:.4f} s step "
+                      f"({100 * st['seconds']['orthogonalize'] / st['step_s']:.0f}%); blocks of cut matrices per rank "
+                      f"{[p['split_units'] for p in per_rank]}, their collectives {_fmt_bytes(st['split_bytes'])} "
+                      "sent per rank (modelled)."]
     repeat = result["results"].get("repeat", {})
     if "time" in split and "time" in repeat:
         lines += ["", f"Split over replicas vs replicas repeating the work: **{split['time']['median_s'] / repeat['time']['median_s']:.2f}x** "
@@ -499,6 +529,16 @@ def render_markdown(result: dict) -> str:
 # ---------------------------------------------------------------------- main
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        out = [tuple(int(d) for d in s.lower().split("x")) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shapes takes ROWSxCOLS[,ROWSxCOLS...], got {text!r}") from None
+    if not out or any(len(s) != 2 or min(s) < 1 for s in out):
+        raise argparse.ArgumentTypeError(f"--shapes takes ROWSxCOLS[,ROWSxCOLS...], got {text!r}")
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -508,6 +548,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: dim // head_dim, MHA)")
     p.add_argument("--mesh", default="", help="'N' (dp_shard) or 'DP,TP'; default: a 1-D mesh of all ranks")
+    p.add_argument("--shapes", type=_shapes, default=None,
+                   help="explicit matrices instead of the transformer, e.g. 2048x2048,2048x2048 (no QK-clip)")
     p.add_argument("--config", default=None, help="take the mesh from this TOML's [mesh] table")
     p.add_argument("--layout", choices=LAYOUTS, default="fsdp_tp", help="placements on a mesh with tp")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
@@ -553,6 +595,9 @@ def run(args, rank: int, world_size: int, device: torch.device) -> dict | None:
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_names)
     kv_heads = args.kv_heads or args.dim // args.head_dim
     specs = transformer_matrices(args.dim, args.layers, args.ffn_dim, args.head_dim, kv_heads)
+    if args.shapes:  # explicit matrices instead of the transformer (e.g. fewer matrices than ranks)
+        specs = [MatrixSpec(f"m{i}.weight", shape, "col") for i, shape in enumerate(args.shapes)]
+        args.no_qk_clip = True  # no attention weights to clip
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
     if "dp_replicate" not in mesh_names and "repeat" in variants:
         variants.remove("repeat")  # no replicas: the same as parallel
@@ -561,6 +606,9 @@ def run(args, rank: int, world_size: int, device: torch.device) -> dict | None:
         variants.remove("classic")  # auto picks classic for every shape here (bf16): the same as parallel
 
     runs, failed = measure(variants, specs, mesh, mesh_names, args, device, world_size)
+    if failed.get("whole", "").startswith("not run: ns_split"):
+        variants.remove("whole")  # nothing was cut: it would be parallel Muon again
+        del failed["whole"]
     for run_ in runs.values():  # collective: every rank takes part, rank 0 keeps the result
         run_.fulls = [(n, p.full_tensor().detach()) for n, p in run_.named]
     results: dict[str, dict] = {}

@@ -28,11 +28,18 @@ def _with_grads(params):
         p.grad = torch.ones_like(p)
 
 
-def test_group_without_use_muon_explains_how_to_build_groups():
-    w = torch.nn.Parameter(torch.randn(4, 4))
-    for params in ([w], [{"params": [w]}]):
-        with pytest.raises(ValueError, match="use_muon.*get_default_muon_param_groups"):
-            Muon(params)
+def test_groups_without_use_muon_are_split_by_shape_and_a_wrong_use_muon_is_named():
+    """A plain list of tensors (torch.optim's call) or a group without ``use_muon``: matrices go to
+    Muon, the rest to AdamW (issue 20; exactness against torch.optim.Muon is tested in
+    test_torch_optim_renewed.py).  A ``use_muon`` that is not a bool is still refused by name."""
+    w, e = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(2, 4, 3))
+    b = torch.nn.Parameter(torch.zeros(4))
+    for params in ([w, b, e], [{"params": [w, b, e]}]):
+        opt = Muon(params)
+        assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+        assert opt.param_groups[0]["params"] == [w, e] and opt.param_groups[1]["params"] == [b]
+    with pytest.raises(ValueError, match="`use_muon` must be True or False"):
+        Muon([{"params": [w], "use_muon": 1}])
 
 
 def test_one_dimensional_tensor_in_a_muon_group_is_named():

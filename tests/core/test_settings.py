@@ -36,16 +36,17 @@ SPECS = [
 # per-group options).  A new option without an entry fails test_every_option_has_an_alternative.
 CONSTRUCTOR_ALTERNATIVES = {
     "lr": 0.03, "weight_decay": 0.2, "momentum": 0.9, "nesterov": False, "ns_steps": 4,
-    "ns_coefficients": "polar_express", "ns_method": "classic", "adjust_lr": "original", "adamw_eps": 1e-6,
-    "adamw_betas": (0.8, 0.9), "maximize": True, "eps": 1e-6, "compute_dtype": torch.float64,
+    "ns_coefficients": "polar_express", "ns_method": "classic", "ns_split": "never", "adjust_lr": "original",
+    "adamw_eps": 1e-6, "adamw_betas": (0.8, 0.9), "maximize": True, "eps": 1e-6, "adjust_lr_fn": "original",
+    "compute_dtype": torch.float64,
     "qk_clip": QKClipConfig(head_dim=4, threshold=1e9), "distributed_mode": "gather", "chunk_size": 1,
     "lookahead": 2, "replica_split": "never", "replica_split_flops_per_byte": 7.0, "skip_nonfinite": True,
     "normuon_beta2": 0.9, "cautious_wd": True, "momentum_dtype": torch.bfloat16,
 }
 GROUP_ALTERNATIVES = {
     "lr": 0.03, "weight_decay": 0.2, "momentum": 0.9, "nesterov": False, "ns_steps": 4,
-    "ns_coefficients": "polar_express", "ns_method": "classic", "adjust_lr": "original", "eps": 1e-6,
-    "betas": (0.8, 0.9), "maximize": True, "muon_row_blocks": "heads:2",
+    "ns_coefficients": "polar_express", "ns_method": "classic", "ns_split": "always", "adjust_lr": "original",
+    "eps": 1e-6, "betas": (0.8, 0.9), "maximize": True, "muon_row_blocks": "heads:2", "muon_transposed": True,
     "normuon_beta2": 0.9, "cautious_wd": True, "momentum_dtype": torch.bfloat16,
 }
 
@@ -80,7 +81,8 @@ def _every_option_differing(rank, world_size, cases):
             if kind == "constructor":
                 kwargs[key] = value
             else:
-                groups[0 if settings.GROUP_OPTION[key].kinds[0] == MUON else 1][key] = value
+                kinds = next(o.kinds for o in GROUP_OPTIONS if o.name == key)
+                groups[0 if MUON in kinds else 1][key] = value
         opt = Muon(groups, **kwargs)
         for n, p in named:
             p.grad = to_dtensor(grads[0][n], mesh, p.placements)
@@ -100,8 +102,10 @@ def test_every_declared_option_set_differently_on_one_rank_is_refused_on_every_r
         messages = {msg for (_, msg), _ in seen}
         assert len(messages) == 1, (key, messages)  # the same error on both ranks
         (exc, msg), _ = seen[0]
-        # the constructor keyword sets the group option of its declared name (adamw_eps -> eps)
-        name = {o.ctor_keyword: o.name for o in GROUP_OPTIONS}.get(key, key) if kind == "constructor" else key
+        # the constructor keyword sets the group option of its declared name (adamw_eps -> eps;
+        # torch's adjust_lr_fn -> adjust_lr)
+        names = {**{o.ctor_keyword: o.name for o in GROUP_OPTIONS}, "adjust_lr_fn": "adjust_lr"}
+        name = names.get(key, key) if kind == "constructor" else key
         assert exc == "RuntimeError" and "settings differ" in msg and name in msg, (key, msg)
         assert "rank 0" in msg and "rank 1" in msg, msg
         assert all(unchanged for _, unchanged in seen), key
@@ -125,7 +129,6 @@ def dummy_options(monkeypatch):
     dummy_beta = GroupOption("dummy_beta", (MUON,), 0.25, "a dummy group option",
                              lambda value, where, context: settings.check_number(where, value, low=0.0), plan=True)
     monkeypatch.setattr(settings, "GROUP_OPTIONS", (*GROUP_OPTIONS, dummy_beta))
-    monkeypatch.setattr(settings, "GROUP_OPTION", {**settings.GROUP_OPTION, "dummy_beta": dummy_beta})
 
 
 def _net():
@@ -245,18 +248,21 @@ def test_variant_values_accepted_and_normalised():
 
 
 def test_an_optimizer_pickled_before_the_settings_record_still_loads():
-    """Before this record, settings were attributes of the optimizer (``ns_eps`` for ``eps``) and
-    the AdamW betas an attribute too; such a pickle unpickles into working settings."""
+    """Before this record, settings were attributes of the optimizer (``ns_eps``, the Newton–Schulz
+    eps, now each Muon group's ``eps``) and the AdamW betas an attribute too; such a pickle
+    unpickles into working settings."""
     w, b = _net()
     opt = Muon([{"params": [w], "use_muon": True}, {"params": [b], "use_muon": False}], lookahead=2, eps=1e-6)
     state = opt.__getstate__()
     old = {k: v for k, v in state.items() if k not in ("settings", "group_defaults")}
+    old["param_groups"] = [dict(g, eps=1e-8) if g["use_muon"] else g for g in old["param_groups"]]  # v1: AdamW's
     old.update(ns_eps=1e-6, compute_dtype=None, qk_clip=None, distributed_mode="parallel", chunk_size=None,
                lookahead=2, skip_nonfinite=False, replica_split="auto", replica_split_flops_per_byte=None,
                adamw_betas=(0.8, 0.9))
     revived = Muon.__new__(Muon)
     revived.__setstate__(old)
-    assert revived.settings == dataclasses.replace(MuonSettings(), eps=1e-6, lookahead=2)
+    assert revived.settings == dataclasses.replace(MuonSettings(), lookahead=2)
     assert revived.group_defaults["adamw"]["betas"] == (0.8, 0.9)
+    assert revived.param_groups[0]["eps"] == 1e-6 and revived.group_defaults["muon"]["eps"] == 1e-6
     w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
     revived.step()

@@ -55,9 +55,10 @@ def test_step_time_fsdp_two_ranks(tmp_path):
     from optimizer.newton_schulz import choose_ns_method
 
     # a 1-D FSDP mesh has no replicas; at these sizes auto picks the classic form for every matrix,
-    # so the classic-only variant would be parallel Muon again and is left out
+    # so the classic-only variant would be parallel Muon again and is left out; and nothing is cut
+    # over ranks (ns_split="auto"), so neither is "whole"
     assert {choose_ns_method(s, 5, "auto", torch.float32) for s in [(32, 32), (32, 64), (64, 32)]} == {"classic"}
-    no_replicas = [v for v in step_time.VARIANTS if v not in ("repeat", "classic")]
+    no_replicas = [v for v in step_time.VARIANTS if v not in ("repeat", "classic", "whole")]
     assert result["variants"] == no_replicas
     # torchtitan's DistMuon runs on CUDA only: on this CPU its row says why it did not run
     assert "CUDA" in result["results"]["titan"]["error"] or "not installed" in result["results"]["titan"]["error"]
@@ -89,6 +90,24 @@ def test_step_time_fsdp_two_ranks(tmp_path):
     assert "parallel NorMuon (beta2 0.95) vs parallel Muon" in md and "collectives per step the same" in md
 
 
+def test_step_time_one_matrix_split_over_two_ranks(tmp_path):
+    """--shapes: one 512 x 512 matrix on two ranks, fewer matrices than ranks: "auto" cuts it
+    over both (this CPU's gloo figures), and the "whole" variant (ns_split="never") is timed beside
+    it; both equal single-device Muon."""
+    argv = ["--shapes", "512x512", "--warmup", "1", "--steps", "1", "--variants", "parallel,whole",
+            "--out", str(tmp_path), "--tag", "split"]
+    run_ranks(_step_time_rank, 2, argv, timeout=120)
+    result = json.loads((tmp_path / "step_time_split.json").read_text())
+    assert result["variants"] == ["parallel", "whole"] and result["sizes"]["matrices"] == 1
+    split, whole = result["results"]["parallel"], result["results"]["whole"]
+    assert [st["split_units"] for st in split["stages_per_rank"]] == [1, 1]
+    assert [st["split_units"] for st in whole["stages_per_rank"]] == [0, 0]
+    assert all(st["split_bytes"] > 0 for st in split["stages_per_rank"])
+    assert split["max_deviation"] <= 1e-5 and whole["max_deviation"] == 0.0
+    md = (tmp_path / "step_time_split.md").read_text()
+    assert "vs every matrix whole on one rank" in md and "the busiest rank's Newton–Schulz" in md
+
+
 def test_step_time_2d_mesh_from_config(tmp_path):
     config = tmp_path / "mesh.toml"
     config.write_text("[mesh]\ndp_shard = 2\ntp = 2\n\n[model]\ndim = 999\n")  # only [mesh] is read
@@ -101,7 +120,6 @@ def test_step_time_2d_mesh_from_config(tmp_path):
 
 
 def test_step_time_hsdp_split_against_repeating_replicas(tmp_path):
-    step_time = _load("step_time")
     argv = [*TINY, "--mesh", "2,2", "--layout", "hsdp", "--variants", "parallel,repeat", "--out", str(tmp_path)]
     run_ranks(_step_time_rank, 4, argv, timeout=90)
     result = json.loads((tmp_path / "step_time_ws4_2x2_hsdp.json").read_text())

@@ -152,11 +152,11 @@ def _compare_with_faults(rank, world_size, config_path):
     cfg = dataclasses.replace(cfg, compare=dataclasses.replace(cfg.compare, adamw_lr=1e3))
     made, original = [], train_mod.make_optimizer
 
-    def make(model, cfg_, *args):
+    def make(model, cfg_, *args, **kwargs):
         made.append(model)
         if len(made) == 2 and rank == 0:  # rank 0's single-device reference of the Muon run
             cfg_ = dataclasses.replace(cfg_, train=dataclasses.replace(cfg_.train, lr=cfg_.train.lr * 1.001))
-        return original(model, cfg_, *args)
+        return original(model, cfg_, *args, **kwargs)
 
     train_mod.make_optimizer = make
     try:

@@ -26,7 +26,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from optimizer.distributed.layout import MeshGrid, ParamLayout
 from optimizer.newton_schulz import newton_schulz_flops
-from optimizer.parallel.plan import PlanParam, PlanSettings, build_plan, world_jobs
+from optimizer.parallel.plan import PlanParam, PlanSettings, build_plan, split_workspace, world_jobs
+from optimizer.parallel.split_newton_schulz import SplitHardware
 from repo import BENCHMARKS
 
 _BENCH = BENCHMARKS
@@ -35,6 +36,7 @@ HSDP = (2, 4)
 HSDP_MODELS = ["llama3-70b", "deepseek-v3"]
 WIRE_BYTES = 2  # the script's default wire dtype (bf16)
 AUTO = 1e4  # the script's default "auto" threshold (the optimizer's CUDA default)
+NS_SPLITS = ("never", "auto")  # the script's default ns_split rows
 
 
 def _load(name: str):
@@ -76,14 +78,15 @@ def _expected_rows(models):
     rows = []
     for name, m in models.items():
         dims = [1, 0] if _is_moe(m) else [None]
-        rows += [(name, "fsdp", n, d, None) for n in RANKS for d in dims]
+        rows += [(name, "fsdp", n, d, None, ns) for n in RANKS for d in dims for ns in NS_SPLITS]
         if name in HSDP_MODELS:
-            rows += [(name, "hsdp", HSDP[0] * HSDP[1], d, s) for d in dims for s in ("never", "auto", "always")]
+            rows += [(name, "hsdp", HSDP[0] * HSDP[1], d, s, ns) for d in dims for s in ("never", "auto", "always")
+                     for ns in NS_SPLITS]
     return rows
 
 
 def _key(r):
-    return (r["model"], r["layout"], r["ranks"], r["expert_dim"], r["replica_split"])
+    return (r["model"], r["layout"], r["ranks"], r["expert_dim"], r["replica_split"], r["ns_split"])
 
 
 def _flops(shape) -> float:
@@ -163,7 +166,9 @@ def test_totals_match_the_shapes(run, models):
         if r["replicas"] > 1 and r["replica_split"] != "always":
             kept = sum(_flops(s) for _, s in m.muon_params
                        if r["replica_split"] == "never" or not _splits_auto(s))
-        assert r["planned_ns_flops"] == pytest.approx(total + (r["replicas"] - 1) * kept, rel=1e-9), _key(r)
+        if not r["cut_units"]:  # (a cut unit's members may repeat its m^3 term: checked below)
+            assert r["planned_ns_flops"] == pytest.approx(total + (r["replicas"] - 1) * kept, rel=1e-9), _key(r)
+            assert r["planned_load"] == r["planned_ns_flops"]
         assert r["busiest_over_ideal"] == pytest.approx(r["busiest_ns_flops"] / r["ideal_ns_flops"])
 
 
@@ -220,6 +225,48 @@ def test_one_matrix_by_hand(bench):
     assert plan.critical_path == _flops((8, 8))
 
 
+def test_one_matrix_cut_over_two_ranks_by_hand(bench, monkeypatch):
+    """[8, 8] bf16 on 2 ranks, ns_split="always": two blocks [8, 4] (columns), one per rank.
+
+    Pieces: each rank holds 4 rows; block j takes columns of every row, so each rank sends the
+    other owner its 4 x 4 piece of the other block and gets the same back: 16 + 16 elements, the
+    same 64 bytes as the whole matrix's gather and scatter.  The split iteration per step: the
+    Gram matrix (ring all-reduce over 2 ranks: each rank sends the buffer once), the first in fp32
+    with the norm, 8 x 8 x 4 + 4 = 260 bytes, then four in bf16, 4 x 128; at 1 FLOP/s computing
+    B = b A + c A^2 by rows pays, so each rank computes its 4 rows (2 x 4 x 8 x 8 = 512 FLOPs)
+    and all-gathers them (4 x 8 bf16 = 64 bytes): 1092 bytes.  FLOPs per rank and step:
+    X_i X_i^T and B X_i, 2 x 8 x 8 x 4 each, plus 512: 5 x 1536 = 7680, half the whole matrix's
+    30 n^3 = 15360."""
+    monkeypatch.setattr(bench, "HARDWARE", SplitHardware("test: 1 FLOP/s, 1 B/s, no latency", 1.0, 1.0, 1.0, 0.0,
+                                                         torch.bfloat16))
+    model = SimpleNamespace(name="one", muon_params=[("w", (8, 8))])
+    params = bench.plan_params(model, bench.Layout(1, 2, None), 5, torch.bfloat16, "always")
+    plan = bench.measure(params, PlanSettings(), lookahead=1, state_bytes=4, compute_bytes=2)
+    (jobs, _), = plan.patterns
+    assert [(j.shape, j.owner, j.cut.j) for j in jobs] == [((8, 4), 0, 0), ((8, 4), 1, 1)]
+    assert plan.sent == [64, 64] and plan.received == [64, 64]
+    assert plan.split_sent == [260 + 4 * 128 + 5 * 64] * 2
+    assert plan.flops == [7680.0, 7680.0]
+    # busy for FLOPs / rate + bytes / bandwidth (+ no latency): in FLOP-equivalents at 1 FLOP/s
+    assert plan.load == [7680.0 + 1092, 7680.0 + 1092]
+    assert plan.split_units == {2: 1}
+
+
+def test_the_issue_at_1024_ranks(bench, models):
+    """Llama-3-70B at 1,024 FSDP ranks: its [28672, 8192] gate/up/down alone were 3.41x the ideal;
+    cut over two ranks each (the cost model's choice on the CUDA figures: over four or eight, two
+    blocks' collectives would share a rank) the busiest rank drops to under 2x."""
+    args = SimpleNamespace(ns_steps=5, wire_dtype="bf16", chunk_size=None, lookahead=1, state_bytes=4,
+                           compute_bytes=2, replica_flops_per_byte=AUTO)
+    never = bench.evaluate(models["llama3-70b"], bench.Layout(1, 1024, None), None, args, "never")
+    auto = bench.evaluate(models["llama3-70b"], bench.Layout(1, 1024, None), None, args, "auto")
+    assert never["busiest_over_ideal"] == pytest.approx(3.406, abs=1e-3)
+    assert auto["busiest_over_ideal"] < 2.0 and auto["critical_path_over_ideal"] < 2.0
+    assert auto["cut_units"] == {"2": 240}  # 80 layers x (gate, up, down)
+    assert auto["split_sent_per_rank_max"] > 0 and auto["total_sent_per_rank_max"] > never["total_sent_per_rank_max"]
+    assert "misses" in bench.split_line(("llama3-70b", "fsdp", 1024, None), {"never": never, "auto": auto})
+
+
 def test_units_held_whole_count_in_chunk_0(bench):
     """2 ranks: experts [3, 8, 8] Shard(0) are held 2 + 1; the matrices 16^2, 3 x 12^2 are one chunk.
 
@@ -258,8 +305,11 @@ def test_balance_bounds(run):
         # A barrier per chunk can only add waiting: sum of per-chunk maxima >= max of sums.
         assert r["critical_path_over_ideal"] >= r["busiest_over_ideal"] * (1 - 1e-12), k
         assert r["peak_extra_memory_bytes"] >= r["peak_extra_memory_bytes_mean"] * (1 - 1e-12)
-        if r["replica_split"] in ("auto", "always"):
-            never = by[(*k[:-1], "never")]
+        if r["ns_split"] != "never":  # cutting is kept only where it lowers the busiest rank
+            whole = by[(*k[:-1], "never")]
+            assert r["busiest_ns_flops"] <= whole["busiest_ns_flops"] * (1 + 1e-12), k
+        if r["replica_split"] in ("auto", "always") and r["ns_split"] == "never":
+            never = by[(*k[:-2], "never", "never")]
             assert r["busiest_ns_flops"] <= never["busiest_ns_flops"] * (1 + 1e-12), k
             assert r["planned_ns_flops"] <= never["planned_ns_flops"] * (1 + 1e-12), k
 
@@ -282,16 +332,17 @@ def test_every_cost_goes_through_one_function(bench, models, monkeypatch):
 # ----------------------------------------------------------------------------
 
 
-def _params_here(model, mesh, placements_2d, placements_3d, ranks=None):
+def _params_here(model, mesh, placements_2d, placements_3d, ranks=None, split=None):
     """PlanParams built from the shapes in this test (not by the benchmark)."""
     grid = MeshGrid(tuple(mesh), tuple(ranks or range(math.prod(mesh))))
-    return [PlanParam(name=n, shape=tuple(s),
-                      layout=ParamLayout(tuple(s), grid, placements_3d if len(s) == 3 else placements_2d),
-                      wire_dtype=torch.bfloat16, device=torch.device("cpu"), ns_key=0, cost=_flops)
+    layouts = {tuple(s): ParamLayout(tuple(s), grid, placements_3d if len(s) == 3 else placements_2d)
+               for _, s in model.muon_params}
+    return [PlanParam(name=n, shape=tuple(s), layout=layouts[tuple(s)], wire_dtype=torch.bfloat16,
+                      device=torch.device("cpu"), ns_key=0, cost=_flops, split=split)
             for n, s in model.muon_params]
 
 
-CASES = [  # model, mesh, expert dim, replica_split[, shard-major rank order]
+CASES = [  # model, mesh, expert dim, replica_split[, shard-major rank order[, ns_split]]
     ("deepseek-v3", (8,), 1, "never"),
     ("llama3-70b", (2, 4), None, "always", True),  # ranks 0 4 1 5 2 6 3 7 on the (2, 4) mesh
     ("deepseek-v3", (8,), 0, "never"),
@@ -300,7 +351,15 @@ CASES = [  # model, mesh, expert dim, replica_split[, shard-major rank order]
     ("llama3-70b", (2, 4), None, "never"),
     ("qwen3-235b-a22b", (3, 5), 0, "auto"),  # uneven: 128 experts on 5 ranks, padded pieces
     ("qwen3-235b-a22b", (5,), 0, "never"),  # experts held whole, unevenly: 26, 26, 26, 26, 24
+    # Newton–Schulz cut over k ranks: every matrix over its shard group ("always"); over aligned
+    # blocks of 2-8 ranks where the cost model says so ("auto", with free communication so it cuts)
+    ("llama3-70b", (8,), None, "never", False, "always"),
+    ("llama3-70b", (2, 4), None, "always", True, "always"),  # cut over shard groups, split over replicas
+    ("qwen3-235b-a22b", (3, 5), 1, "never", False, "always"),  # uneven shard groups of 5
+    ("three-matrices", (8,), None, "never", False, "auto"),
 ]
+THREE = SimpleNamespace(name="three-matrices", muon_params=[("a", (512, 2048)), ("b", (2048, 512)), ("c", (96, 64))])
+FREE = SplitHardware("test: free communication", 1e12, 1e12, 1e18, 1e-12, torch.bfloat16)
 LOOKAHEAD, STATE_BYTES, COMPUTE_BYTES = 1, 4, 2
 
 
@@ -334,7 +393,9 @@ def _expected_peak(step) -> int:
     for k, chunk in enumerate(step.chunks):
         batched = {i for b in chunk.batches for i in b}
         spaces = [sum(_workspace(chunk.owned[i].shape) for i in b) for b in chunk.batches]
-        spaces += [_workspace(o.shape) for i, o in enumerate(chunk.owned) if i not in batched]
+        spaces += [_workspace(o.shape) if o.split is None
+                   else split_workspace(o.shape, o.split.transpose, len(o.split.ranks))
+                   for i, o in enumerate(chunk.owned) if i not in batched]
         live = list(range(max(0, k - 1), min(len(buffers), k + LOOKAHEAD + 1)))
         if k >= 2 and step.chunks[k - 2].exchange_length:
             live.append(k - 2)
@@ -343,9 +404,14 @@ def _expected_peak(step) -> int:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_owners_loads_and_bytes_are_the_optimizers(bench, models, case):
+def test_owners_loads_and_bytes_are_the_optimizers(bench, models, case, monkeypatch):
     name, mesh, expert_dim, split, *rest = case
     shard_major = bool(rest and rest[0])
+    ns = rest[1] if len(rest) > 1 else "never"
+    if ns == "auto":
+        monkeypatch.setattr(bench, "HARDWARE", FREE)
+    model_split = bench.split_model(ns, 5)
+    models = {**models, THREE.name: THREE}
     model = models[name]
     ranks = [r + mesh[0] * s for r in range(mesh[0]) for s in range(mesh[-1])] if shard_major else None
     hsdp = len(mesh) == 2
@@ -355,17 +421,26 @@ def test_owners_loads_and_bytes_are_the_optimizers(bench, models, case):
     layout = bench.Layout(mesh[0] if hsdp else 1, mesh[-1], expert_dim, shard_major)
     if shard_major:
         assert list(layout.ranks) == ranks
-    plan = bench.measure(bench.plan_params(model, layout, 5, torch.bfloat16), settings, LOOKAHEAD, STATE_BYTES,
+    plan = bench.measure(bench.plan_params(model, layout, 5, torch.bfloat16, ns), settings, LOOKAHEAD, STATE_BYTES,
                          COMPUTE_BYTES)
+    assert bool(plan.split_units) == (ns != "never"), plan.split_units
 
     # The benchmark's owners and chunks are world_jobs' on parameters built here.
-    mine = world_jobs(_params_here(model, mesh, p2, p3, ranks), settings)
-    assert [[(j.param, j.shape, j.owner, j.split) for j in jobs] for jobs, _ in plan.patterns] == \
-        [[(j.param, j.shape, j.owner, j.split) for j in jobs] for jobs, _ in mine]
+    mine = world_jobs(_params_here(model, mesh, p2, p3, ranks, model_split), settings)
+    assert [[(j.param, j.shape, j.owner, j.split, j.cut) for j in jobs] for jobs, _ in plan.patterns] == \
+        [[(j.param, j.shape, j.owner, j.split, j.cut) for j in jobs] for jobs, _ in mine]
     assert [chunks for _, chunks in plan.patterns] == [chunks for _, chunks in mine]
 
     # Every rank's load, traffic and largest chunk buffers are what build_plan gives that rank.
-    params = _params_here(model, mesh, p2, p3, ranks)
+    params = _params_here(model, mesh, p2, p3, ranks, model_split)
+
+    def cost(o):  # a block of a cut unit: its members' modelled time (FLOP-equivalents)
+        if o.split is None:
+            return _flops(o.shape)
+        unit = list(o.shape)
+        unit[-2 if o.split.transpose else -1] = sum(o.split.widths)
+        return model_split.member_cost(tuple(unit), len(o.split.ranks))
+
     per_chunk, local = [], []  # [rank][chunk] owned FLOPs, [rank] FLOPs of units held whole
     for rank in range(math.prod(mesh)):
         step = build_plan(params, rank, settings, lambda ranks, mesh, dims: tuple(ranks))
@@ -375,7 +450,8 @@ def test_owners_loads_and_bytes_are_the_optimizers(bench, models, case):
         assert max((c[rank] for c in plan.chunk_buffers), default=0) == step.peak_chunk_bytes, rank
         assert len(plan.chunk_buffers) == len(step.chunks)
         assert plan.peak[rank] == _expected_peak(step), rank
-        per_chunk.append([sum(_flops(o.shape) for o in c.owned) for c in step.chunks])
+        assert plan.split_sent[rank] == step.split_bytes, rank
+        per_chunk.append([sum(cost(o) for o in c.owned) for c in step.chunks])
         local.append(sum(_flops(j.shape) for j in step.local))
     # Units held whole run while chunk 0's gathers travel: they count in chunk 0.
     chunks = len(per_chunk[0])

@@ -1,9 +1,7 @@
 """transformers' Trainer and an accelerate loop with optimizer.Muon through MuonFactory / build_muon:
 training, save + resume_from_checkpoint (Trainer reads optimizer.pt with weights_only=True) continuing
-bit-identically with row-block specs in the groups, and QK-clip with no change to the loop.
-
-The QK-clip tests need ``Muon.set_qk_logits_source`` (the optimizer core's side of the hand-over):
-until it exists they fail with build_muon's RuntimeError saying so."""
+bit-identically with row-block specs in the groups, and QK-clip with no change to the loop (the
+recorder is handed to ``Muon.set_qk_logits_source``)."""
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from transformers.trainer_optimizer import is_optimizer_factory  # noqa: E402
 from optimizer import Muon  # noqa: E402
 from optimizer.integrations.huggingface import MaxLogitRecorder, MuonFactory, build_muon  # noqa: E402
 from optimizer.attention_layouts import FusedQKV  # noqa: E402
-from optimizer.row_blocks import SplitQKV, spec_to_plain  # noqa: E402
+from optimizer.row_blocks import SplitQKV, from_checkpoint, spec_to_plain  # noqa: E402
 
 SEQ = 12
 
@@ -113,7 +111,9 @@ def test_resume_from_checkpoint_is_bit_identical_with_row_blocks(tmp_path):
     assert [g for g in muon_of(full).param_groups if g["use_muon"]][0]["muon_row_blocks"] == blocks
     ckpt = tmp_path / "full" / "checkpoint-2"
     saved = torch.load(ckpt / "optimizer.pt", weights_only=True)  # what Trainer does on resume
-    assert [g for g in saved["param_groups"] if g["use_muon"]][0]["muon_row_blocks"] == blocks
+    group = [g for g in saved["param_groups"] if g["use_muon"]][0]
+    assert from_checkpoint(group["muon_row_blocks"], group["param_names"]) == {
+        n: blocks.get(n) for n in group["param_names"]}  # one plain string (or None) per parameter
 
     resumed = trainer(tmp_path / "resumed")
     resumed.train(resume_from_checkpoint=str(ckpt))
@@ -139,7 +139,8 @@ def test_moe_optimizer_checkpoint_loads_weights_only(tmp_path):
                    train_dataset=Repeats(), optimizer_cls_and_kwargs=(MuonFactory, kwargs))
     full.train()
     saved = torch.load(tmp_path / "checkpoint-2" / "optimizer.pt", weights_only=True)
-    blocks = [g for g in saved["param_groups"] if g["use_muon"]][0]["muon_row_blocks"]
+    group = [g for g in saved["param_groups"] if g["use_muon"]][0]
+    blocks = {n: b for n, b in from_checkpoint(group["muon_row_blocks"], group["param_names"]).items() if b}
     assert blocks == {f"model.layers.{i}.mlp.experts.gate_up_proj": "blocks:24,24" for i in range(2)}
     fresh = MuonFactory()(hf_models.mixtral(), **kwargs)
     fresh.load_state_dict(saved)
@@ -156,20 +157,45 @@ def _scaled_llama():
 
 
 def test_trainer_clips_with_no_qk_logits_in_the_loop(tmp_path):
-    """QK-clip under Trainer, which calls optimizer.step() with no arguments (needs
-    Muon.set_qk_logits_source from the optimizer core)."""
+    """QK-clip under Trainer, which calls optimizer.step() with no arguments: the recorder is the
+    optimizer's logits source.  With lr = wd = 0 only QK-clip moves the weights, so every q/k row
+    must be scaled exactly as Kimi K2's rule, computed here from the logits the step used, says:
+    query rows of head h by sqrt(gamma_h), key rows of kv head j by sqrt(min over its query heads),
+    gamma_h = min(1, threshold / S_h)."""
     model = _scaled_llama()
     rec = MaxLogitRecorder(model)
     batch = Repeats()[0]
     model(input_ids=batch["input_ids"][None])
     threshold = 0.5 * max(float(v.max()) for v in rec().values())
     rec.remove()
-    trainer = Trainer(model=model, args=args(tmp_path, max_steps=2), train_dataset=Repeats(),
-                      optimizer_cls_and_kwargs=(MuonFactory, {"lr": 0.0, "weight_decay": 0.0, "qk_clip": threshold}))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    used = []
+
+    class Capturing(MuonFactory):  # Trainer's factory, recording what the source hands to step()
+        def __call__(self, model, **kwargs):
+            opt = super().__call__(model, **kwargs)
+            recorder = opt.qk_logits_recorder
+            opt.set_qk_logits_source(lambda: used.append(recorder()) or used[-1])
+            return opt
+
+    trainer = Trainer(model=model, args=args(tmp_path, max_steps=1), train_dataset=Repeats(),
+                      optimizer_cls_and_kwargs=(Capturing, {"lr": 0.0, "weight_decay": 0.0, "qk_clip": threshold}))
     trainer.train()
     opt = muon_of(trainer)
     assert opt.qk_clip_report is not None and opt.qk_clip_report.total_clipped > 0
-    assert isinstance(opt.qk_logits_recorder, MaxLogitRecorder)
+    assert len(used) == 1 and set(used[0]) == {0, 1}
+    cfg = model.config
+    head_dim, group = cfg.hidden_size // cfg.num_attention_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+    for layer, logits in used[0].items():
+        gamma = torch.clamp(threshold / logits.double(), max=1.0)
+        q_scale = gamma.sqrt().repeat_interleave(head_dim)
+        k_scale = gamma.view(-1, group).amin(dim=1).sqrt().repeat_interleave(head_dim)
+        for proj, scale in (("q_proj", q_scale), ("k_proj", k_scale)):
+            name = f"model.layers.{layer}.self_attn.{proj}.weight"
+            want = (before[name].double() * scale[:, None]).float()
+            torch.testing.assert_close(dict(model.named_parameters())[name].detach(), want, rtol=1e-6, atol=1e-7)
+        v = f"model.layers.{layer}.self_attn.v_proj.weight"
+        assert torch.equal(dict(model.named_parameters())[v].detach(), before[v])  # values untouched
     opt.qk_logits_recorder.remove()
 
 
@@ -208,14 +234,6 @@ def test_accelerate_loop_trains():
         opt.zero_grad()
         seen.append(float(loss))
     assert seen[-1] < seen[0], seen
-
-
-def test_qk_clip_needs_the_core_hand_over(monkeypatch):
-    """Without Muon.set_qk_logits_source, build_muon refuses QK-clip rather than leaving it silently off."""
-    if hasattr(Muon, "set_qk_logits_source"):
-        monkeypatch.delattr(Muon, "set_qk_logits_source")
-    with pytest.raises(RuntimeError, match="set_qk_logits_source"):
-        build_muon(hf_models.llama_lm(), qk_clip=10.0)
 
 
 @pytest.fixture(autouse=True)

@@ -40,6 +40,10 @@ def _specs(case: str, copies: int):
         "hsdp_split": ((2, 2), [("layers.{i}.attention.wq.weight", Q, ["R", "S0"]),
                                 ("layers.{i}.attention.wk.weight", K, ["R", "S0"]),
                                 ("layers.{i}.ffn.w1.weight", (7, 5), ["R", "R"])]),
+        # Newton–Schulz split over the shard group (ns_split="always"): wide, tall, experts
+        "ns_split": ((4,), [("layers.{i}.attention.wq.weight", Q, ["S0"]),
+                            ("layers.{i}.attention.wk.weight", K, ["S0"]),
+                            ("layers.{i}.ffn.w1.weight", (40, 12), ["S0"]), ("layers.{i}.moe.w1", (2, 8, 24), ["S1"])]),
     }[case]
     mesh_shape, templates = base
     return mesh_shape, [(n.format(i=i), shape, pl) for i in range(copies) for n, shape, pl in templates]
@@ -58,7 +62,8 @@ def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite, options=None
     named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
              for n, _, pl in specs]
     opt = Muon(build_groups(named), lr=0.02, skip_nonfinite=skip_nonfinite, replica_split="always",
-               qk_clip=QKClipConfig(head_dim=HEAD_DIM, threshold=1.0) if qk else None, **(options or {}))
+               qk_clip=QKClipConfig(head_dim=HEAD_DIM, threshold=1.0) if qk else None,
+               ns_split="always" if case == "ns_split" else "auto", **(options or {}))
     counts = []
     for s in range(2):
         for n, p in named:
@@ -70,20 +75,21 @@ def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite, options=None
         with HostSyncs() as syncs:
             opt.step(qk_logits=logits)
         counts.append(syncs.events)
-    return counts[0], opt.last_step_stats.chunks
+    return counts[0], opt.last_step_stats.chunks, opt.last_step_stats.split_units
 
 
 @pytest.mark.parametrize("case, qk, skip, options", [
     ("fsdp", True, True, None), ("fsdp_tp", True, False, None), ("experts", True, True, None),
-    ("hsdp_split", True, True, None), ("fsdp_tp", False, False, None),
+    ("hsdp_split", True, True, None), ("fsdp_tp", False, False, None), ("ns_split", True, True, None),
     # NorMuon (v through the all-to-alls and the replica all-gather), cautious WD, bf16 momentum
     ("fsdp_tp", True, False, VARIANTS), ("experts", True, True, VARIANTS), ("hsdp_split", True, True, VARIANTS),
 ], ids=lambda x: "variants" if isinstance(x, dict) else None)
 def test_one_host_read_per_step_whatever_the_number_of_parameters(case, qk, skip, options):
     for copies in (1, 3):
-        for events, chunks in run_ranks(_watch_step, 4, case, copies, qk, skip, options, timeout=120):
+        for events, chunks, split_units in run_ranks(_watch_step, 4, case, copies, qk, skip, options, timeout=120):
             assert events == ["tolist"], (case, copies, events)  # the agreement's one read-back
             assert chunks >= 1
+            assert (split_units > 0) == (case == "ns_split")
 
 
 def test_the_recorder_sees_what_it_must():

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate
 
-from dist_cases import parse_placement, run_distributed, run_reference, to_dtensor
+from dist_cases import run_distributed, run_reference, to_dtensor
 from harness import run_ranks
 from test_parallel_muon import ATOL, CASES, RTOL, STEPS, _world
 

@@ -156,7 +156,6 @@ def _sharded_mla_rank(rank, world_size, q_lora):
     q, k = mla_qk(weights, x, q_lora)
     logits = explicit_head_max(q, k, SCALE)
     threshold = float(logits.sort().values[1]) * 1.01
-    q_name = "layers.0.attention." + ("wq_b.weight" if q_lora else "wq.weight")
     cfg = QKClipConfig(threshold=threshold, mla=MLAHeads(NOPE, ROPE, V))
     plan = build_qk_clip_plan(cfg, [(n, tuple(w.shape), w.ndim == 2, 0) for n, w in weights.items()])
     step = compute_clip_step(plan, {0: logits}, "cpu")

@@ -182,7 +182,8 @@ def test_config_defaults_and_compat():
     cfg = QKClipConfig(128, 100.0)  # the original positional form
     assert cfg.q_patterns == ("q_proj", "wq") and cfg.k_patterns == ("k_proj", "wk")
     mla_cfg = QKClipConfig(threshold=100.0, mla=MLAHeads())
-    assert mla_cfg.q_patterns == ("wq", "wq_b") and mla_cfg.k_patterns == ("wkv_b",)
+    # torchtitan's deepseek_v3 names and Hugging Face DeepSeek-V2/V3's (issue 23)
+    assert mla_cfg.q_patterns == ("wq", "wq_b", "q_proj", "q_b_proj") and mla_cfg.k_patterns == ("wkv_b", "kv_b_proj")
     with pytest.raises(ValueError, match="threshold is required"):
         QKClipConfig(head_dim=8)
     with pytest.raises(ValueError, match="both q_patterns and qkv_patterns"):

@@ -32,11 +32,9 @@ SPECS_AND_PLAIN = [
     (HeadBlocks(16), "heads:16"),
     (RowBlockSizes((8, 8)), "blocks:8,8"),
     (RowBlockSizes((3, 5, 2)), "blocks:3,5,2"),
-    (FUSED, {"kind": "fused_qkv", "n_heads": 4, "n_kv_heads": 2, "head_dim": 3, "layout": "grouped"}),
-    (SplitQKV(FUSED), {"kind": "split_qkv", "n_heads": 4, "n_kv_heads": 2, "head_dim": 3, "layout": "grouped",
-                       "per_head": False}),
-    (SplitQKV(FusedQKV(2, 2, 4, "interleaved"), per_head=True),
-     {"kind": "split_qkv", "n_heads": 2, "n_kv_heads": 2, "head_dim": 4, "layout": "interleaved", "per_head": True}),
+    (FUSED, "fused_qkv:4,2,3,grouped"),
+    (SplitQKV(FUSED), "split_qkv:4,2,3,grouped"),
+    (SplitQKV(FusedQKV(2, 2, 4, "interleaved"), per_head=True), "split_qkv:2,2,4,interleaved,per_head"),
 ]
 
 
@@ -51,24 +49,22 @@ def test_plain_form_round_trip_and_equality(spec, plain):
     assert row_blocks_mismatch({"w": plain}, None, ["w"], "g") is not None
 
 
-def test_plain_dict_is_a_group_wide_spec_not_a_name_map():
+def test_a_plain_string_is_a_group_wide_spec_and_a_dict_a_name_map():
     plain = spec_to_plain(FUSED)
     assert spec_for(plain, "any.weight", "g") == FUSED
-    check_group_row_blocks(plain, ["a", "b"], "g")  # no "names ['kind', ...] are not parameters"
-    # a name map is still a name map
+    check_group_row_blocks(plain, ["a", "b"], "g")
     assert spec_for({"a": plain}, "a", "g") == FUSED and spec_for({"a": plain}, "b", "g") is None
     with pytest.raises(ValueError, match=r"names \['kind'\]"):
-        check_group_row_blocks({"kind": "heads:2"}, ["a"], "g")  # "kind" mapped to a string spec: a name
+        check_group_row_blocks({"kind": "heads:2"}, ["a"], "g")  # a dict is always {name: spec}
 
 
 def test_bad_plain_forms_name_the_problem():
-    with pytest.raises(ValueError, match="keys"):
-        parse_spec({"kind": "fused_qkv", "n_heads": 4}, "g")
-    with pytest.raises(ValueError, match="per_head"):
-        parse_spec({**spec_to_plain(SplitQKV(FUSED)), "per_head": "yes"}, "g")
     with pytest.raises(ValueError, match="n_heads=3 is not a multiple"):
-        parse_spec({"kind": "fused_qkv", "n_heads": 3, "n_kv_heads": 2, "head_dim": 3, "layout": "grouped"}, "g")
-    for bad in ("blocks:", "blocks:4,0", "blocks:4,x", "blocks:-1", "heads:0"):
+        parse_spec("fused_qkv:3,2,3,grouped", "g")
+    with pytest.raises(ValueError, match="per_head belongs to split_qkv"):
+        parse_spec("fused_qkv:4,2,3,grouped,per_head", "g")
+    for bad in ("blocks:", "blocks:4,0", "blocks:4,x", "blocks:-1", "heads:0", "fused_qkv:4,2", "split_qkv:4,2,3",
+                {"kind": "fused_qkv", "n_heads": 4}):
         with pytest.raises(ValueError, match="not understood"):
             parse_spec(bad, "g")
     with pytest.raises(ValueError, match="positive ints"):
@@ -142,3 +138,52 @@ def test_3d_blocks_split_every_expert_alike():
     seen = []
     resolve_row_blocks(lambda name, shape: seen.append(shape) or [slice(0, shape[0])], "x", (3, 10, 6))
     assert seen == [(10, 6)]
+
+
+def test_a_state_dict_with_dataclass_specs_loads_with_weights_only_and_continues():
+    """Trainer resumes with torch.load(weights_only=True): an optimizer whose groups hold
+    HeadBlocks / FusedQKV / SplitQKV objects saves them in their plain forms (issue 23)."""
+    import io
+
+    from optimizer import Muon
+
+    def build():
+        g = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(16, 8, generator=g))
+        q = torch.nn.Parameter(torch.randn(24, 8, generator=g))
+        f = torch.nn.Parameter(torch.randn(24, 8, generator=g))
+        blocks = {"a": HeadBlocks(4), "wqkv": SplitQKV(FusedQKV(2, 1, 6, "grouped"), per_head=True),
+                  "fused": FusedQKV(2, 1, 6, "concat")}
+        opt = Muon([{"params": [w, q, f], "param_names": ["a", "wqkv", "fused"], "use_muon": True,
+                     "muon_row_blocks": blocks}], lr=0.02)
+        return [w, q, f], opt
+
+    def grads(step):
+        g = torch.Generator().manual_seed(10 + step)
+        return [torch.randn(16, 8, generator=g), torch.randn(24, 8, generator=g), torch.randn(24, 8, generator=g)]
+
+    params, opt = build()
+    for step in range(4):
+        if step == 2:
+            buf = io.BytesIO()
+            torch.save({"optim": opt.state_dict(), "params": [p.detach().clone() for p in params]}, buf)
+        for p, g in zip(params, grads(step)):
+            p.grad = g
+        opt.step()
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)  # raises "Unsupported global" for dataclass specs
+    # one plain string per parameter, in the group's order
+    assert saved["optim"]["param_groups"][0]["muon_row_blocks"] == [
+        "heads:4", "split_qkv:2,1,6,grouped,per_head", "fused_qkv:2,1,6,concat"]
+    resumed, opt2 = build()
+    with torch.no_grad():
+        for p, s in zip(resumed, saved["params"]):
+            p.copy_(s)
+    opt2.load_state_dict(saved["optim"])
+    assert opt2.param_groups[0]["muon_row_blocks"]["a"] == HeadBlocks(4)  # the specs as this optimizer declared them
+    for step in (2, 3):
+        for p, g in zip(resumed, grads(step)):
+            p.grad = g
+        opt2.step()
+    for p, q in zip(params, resumed):
+        assert torch.equal(p, q)

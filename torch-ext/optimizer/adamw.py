@@ -60,6 +60,14 @@ def init_adamw_state_(state: MutableMapping, param: Tensor) -> None:
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
+def step_as_tensor_(state: MutableMapping, param: Tensor) -> None:
+    """A ``step`` loaded as a Python number (older checkpoints; torch.optim.Adam converts it the same
+    way when it loads) becomes the 0-d float32 tensor the kernels need, where init puts it."""
+    if "step" in state and not torch.is_tensor(state["step"]):
+        device = param.device if _wants_fused(param) else torch.device("cpu")
+        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device=device)
+
+
 def _batch_key(t: Tensor):
     # One foreach/fused call per kind of tensor: plain tensors together, DTensors per mesh.
     return ("dtensor", t.device_mesh) if is_dtensor(t) else ("plain", None)

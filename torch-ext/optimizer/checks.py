@@ -12,13 +12,6 @@ import torch
 
 from .tensors import is_dtensor
 
-GROUPS_HELP = (
-    "Every param group passed to Muon must say whether it is a Muon group: "
-    "use `optimizer.get_default_muon_param_groups(model)`, or build groups like "
-    "[{'params': matrices, 'use_muon': True}, {'params': others, 'use_muon': False}]."
-)
-
-
 def check_group_params(group: dict, names: list[str]) -> None:
     """Parameters a group cannot hold: complex tensors; non-matrices in a Muon group."""
     for name, p in zip(names, group["params"]):

@@ -29,18 +29,15 @@ from torch.optim import Optimizer
 
 from . import settings as options
 from . import state_layout
-from .adamw import adamw_group_step_
-from .checks import GROUPS_HELP, check_group_params, param_problem
-from .distributed import groups
+from .adamw import adamw_group_step_, step_as_tensor_
+from .checks import check_group_params
 from .parallel.stats import PipelineStats
 from .qk_clip import QKClipReport, log_report
 from .qk_clip.plan import build_qk_clip_plan
 from .row_blocks import ROW_BLOCKS_KEY, resolve_row_blocks, spec_for
 from .settings import MuonSettings
-from .step_context import Layouts, StepContext, context_key, entries_of, qk_params, rank
-from .tensors import is_dtensor
-from .rule import row_state_dtype
-from .update import momentum_dtype, muon_update, work_dtype
+from .step_context import Layouts, StepContext, context_key, create_process_groups, entries_of, qk_params, rank
+from .update import muon_update
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +54,13 @@ class Muon(Optimizer):
 
     With DTensor parameters, building the optimizer (and ``add_param_group`` with parameters
     that need a new process group) is collective over the default process group: every rank
-    builds its optimizer at the same point, as with ``init_device_mesh``.  ``step()`` never
-    creates process groups.
+    builds its optimizer at the same point, as with ``init_device_mesh``.  ``step()`` creates
+    process groups only once, at the first step after the groups' parameters were switched to
+    DTensors (accelerate's FSDP2 idiom), on every rank together.
     """
 
-    def __init__(self, params, **kwargs):
-        self.settings, self.group_defaults = options.from_constructor(kwargs)
+    def __init__(self, params, *args, **kwargs):
+        self.settings, self.group_defaults = options.from_constructor(args, kwargs)
         #: the last step's QK-clip record (heads clipped and max logit per layer), or None
         self.qk_clip_report: QKClipReport | None = None
         #: True when the last step was skipped (skip_nonfinite and a non-finite gradient)
@@ -83,12 +81,21 @@ class Muon(Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``, with every option checked; a refused group leaves the
-        optimizer as it was."""
-        if not isinstance(param_group, dict) or "use_muon" not in param_group:
-            raise ValueError("Muon: a param group has no `use_muon` key. " + GROUPS_HELP)
+        optimizer as it was.  A group without ``use_muon`` (torch-style, as a plain list of tensors
+        becomes) is added as up to two groups: its matrices (2-D, and 3-D expert stacks) to Muon,
+        with torch.optim.Muon's defaults, the rest to AdamW."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"Muon.add_param_group: a param group must be a dict, got {type(param_group).__name__}")
+        if "use_muon" not in param_group:
+            for part in split_by_kind(param_group):
+                self._add_group(part, torch_style=True)
+            return
         if not isinstance(param_group["use_muon"], bool):
             raise ValueError(f"Muon: `use_muon` must be True or False, got {param_group['use_muon']!r}")
-        options.fill_group(param_group, self.group_defaults)
+        self._add_group(param_group)
+
+    def _add_group(self, param_group: dict, torch_style: bool = False) -> None:
+        options.fill_group(param_group, self.group_defaults, torch_style)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         try:
@@ -110,19 +117,7 @@ class Muon(Optimizer):
                 resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], name, f"Muon: param_groups[{index}]"), name, p.shape)
 
     def _create_process_groups(self, param_groups: list[dict], only_if_missing: bool = False) -> None:
-        """Create, collectively, every process group the parallel step will use (see groups.py)."""
-        import torch.distributed as dist
-
-        dtensors = [p for g in self.param_groups for p in g["params"] if is_dtensor(p)]
-        if not dtensors or not dist.is_initialized():
-            return
-        union = sorted({r for p in dtensors for r in self._layouts.grid(p.device_mesh).ranks})
-        layouts = [(self._layouts.of(p), p.device_mesh) for g in param_groups for p in g["params"]
-                   if g["use_muon"] and is_dtensor(p) and p.dim() >= 2 and param_problem("", p) is None]
-        needed = groups.rank_sets_needed(layouts, union)  # (others are refused by step())
-        if only_if_missing and all(groups.has_group(s) for s in needed):
-            return
-        groups.create_collectively(needed)
+        create_process_groups(self.param_groups, param_groups, self._layouts, self.settings, only_if_missing)
 
     # ------------------------------------------------------------------ step
 
@@ -142,12 +137,12 @@ class Muon(Optimizer):
                     loss = closure()
             except Exception as err:  # noqa: BLE001 - re-raised after the ranks agree
                 closure_error = err
-        self._follow_momentum()
+        follow_momentum_schedule(self.param_groups)
         qk_logits = self._logits_for_step(qk_logits)
-        context = self._context()
-        facts = context.local_facts(qk_logits, closure_error, self.settings.skip_nonfinite)
-        outcome = context.agree(facts, options.digest(self.settings, self.param_groups),
-                                lambda: options.record(self.settings, self.param_groups))
+        context, facts, outcome = self._agree(qk_logits, closure_error)
+        if outcome.counts["missing_groups"] and context.create_missing_groups(outcome):
+            self.__dict__.pop("_cached_context")
+            context, facts, outcome = self._agree(qk_logits, closure_error)  # with the new groups
         self.last_step_skipped = context.verdict(facts, outcome)
         if self.last_step_skipped:
             self.qk_clip_report = None
@@ -162,6 +157,14 @@ class Muon(Optimizer):
                 adamw_group_step_(group, self.state)
         self.last_step_stats = muon_update(context, self.state, self.settings, facts.clip)
         return loss
+
+    def _agree(self, qk_logits, closure_error):
+        """This rank's view of the step, then the one all-reduce (see ``step_context.py``)."""
+        context = self._context()
+        facts = context.local_facts(qk_logits, closure_error, self.settings.skip_nonfinite)
+        outcome = context.agree(facts, options.digest(self.settings, self.param_groups),
+                                lambda: options.record(self.settings, self.param_groups))
+        return context, facts, outcome
 
     def set_qk_logits_source(self, source: Callable[[], Any] | None) -> None:
         """Where ``step()`` takes QK-clip's logits when it is called without ``qk_logits`` (as
@@ -180,12 +183,7 @@ class Muon(Optimizer):
             return source()
         if qk_logits is None and self.settings.qk_clip is not None and not self.__dict__.get("_warned_no_logits"):
             self._warned_no_logits = True
-            logger.warning(
-                "Muon: QK-clip is configured but step() got no qk_logits, so nothing was clipped this step. Pass "
-                "step(qk_logits=...) every step, or give the optimizer a source it reads when step() is called "
-                "without them: opt.set_qk_logits_source(recorder) (e.g. optimizer.integrations.huggingface."
-                "MaxLogitRecorder; build_muon/MuonFactory set it up)."
-            )
+            logger.warning(NO_LOGITS_WARNING)
         return qk_logits
 
     def _context(self) -> StepContext:
@@ -197,65 +195,22 @@ class Muon(Optimizer):
                 key, entries_of(self.param_groups), self.settings, self.param_groups, self._layouts, rank())
         return cached
 
-    def _follow_momentum(self) -> None:
-        """OneCycleLR/CyclicLR with ``cycle_momentum`` write ``momentum`` into every group (the
-        defaults have ``momentum`` and no ``betas``) and mark it with ``max_momentum`` /
-        ``base_momentum``: Muon groups follow the schedule as torch.optim.Muon's do, and an AdamW
-        group takes it as its ``betas[0]``, as torch.optim.AdamW's would."""
-        for group in self.param_groups:
-            if not group["use_muon"] and "max_momentum" in group and "base_momentum" in group:
-                group["betas"] = (float(group["momentum"]), *group["betas"][1:])
-
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict; every param group also carries Muon's state layout
-        version and QK-clip settings (``state_layout.py``: torch.distributed.checkpoint keeps
-        only ``state`` and ``param_groups``, so that is where they must live)."""
+        """torch's optimizer state dict, in Muon's state layout (``state_layout.py``: every group
+        carries the layout version and QK-clip settings; row blocks as plain strings)."""
         self._stamp_layout()
-        return super().state_dict()
+        return state_layout.with_plain_row_blocks(super().state_dict(), self.param_groups,
+                                                  [e.name for e in entries_of(self.param_groups)])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict` (or torch.distributed.checkpoint).
-
-        The checkpoint is checked before anything changes: its layout version, its groups against
-        this optimizer's (count, sizes, ``use_muon``, ``param_names``, row blocks), each
-        parameter's state keys and shapes, and its options.  Group options and the QK-clip
-        settings are restored from the checkpoint, as torch's optimizers do; a custom
-        ``QKClipConfig.classify`` cannot be saved and is kept from this optimizer's config.
-        """
-        state_layout.check_loadable(self, state_dict)
-        for i, group in enumerate(state_dict["param_groups"]):
-            options.check_group(group, f"checkpoint param_groups[{i}]")
-        qk_clip = state_layout.qk_clip_from_groups(state_dict["param_groups"], self.settings.qk_clip)
-        storage = [{k: g.get(k) for k in state_layout.STORAGE_GROUP_OPTIONS} for g in self.param_groups]
-        rest, kept = state_layout.split_kept_state(state_dict, self)
-        super().load_state_dict({**state_dict, "state": rest})
-        for group, own in zip(self.param_groups, storage):
-            group.update(own)  # the loading optimizer's storage options stay
-            options.normalize_group(group)
-        self._restore_kept_state(kept)
+        """Load a state dict from :meth:`state_dict`, torch.distributed.checkpoint, or
+        ``torch.optim.Muon`` (its momentum carries over).  torch's pre-hooks run first, then
+        everything is checked before anything changes (``state_layout.load``), post-hooks last."""
+        qk_clip = state_layout.load(self, state_dict, lambda checked: Optimizer.load_state_dict(self, checked))
         self.settings = dataclasses.replace(self.settings, qk_clip=qk_clip)
         self._stamp_layout()
-
-    def _restore_kept_state(self, kept: dict) -> None:
-        """Momentum buffers and NorMuon's v, moved to their parameter's device in the dtype this
-        optimizer keeps them in (torch's loader would have cast them to the parameter's dtype);
-        a buffer saved in another dtype is converted, with a note."""
-        group_of = {p: g for g in self.param_groups for p in g["params"]}
-        converted: dict[tuple, int] = {}
-        for (p, key), value in kept.items():
-            group = group_of[p]
-            dtype = momentum_dtype(p, group) if key == state_layout.MOMENTUM_KEY else \
-                row_state_dtype(work_dtype(p, group))
-            if value.dtype != dtype:
-                converted[(key, str(value.dtype), str(dtype))] = converted.get((key, str(value.dtype), str(dtype)), 0) + 1
-            self.state[p][key] = value.to(device=p.device, dtype=dtype)
-        for (key, saved, live), count in converted.items():
-            logger.warning("Muon.load_state_dict: %d '%s' tensors were saved as %s and are converted to %s, the "
-                           "dtype this optimizer keeps them in (momentum_dtype, or the parameter's; set momentum_dtype "
-                           "to keep a saved momentum as it was)", count, key, saved.removeprefix("torch."),
-                           live.removeprefix("torch."))
 
     def _stamp_layout(self) -> None:
         for group in self.param_groups:
@@ -273,7 +228,12 @@ class Muon(Optimizer):
         # on the object stay.  A pickle from before the settings record holds them as attributes.
         if "settings" not in state and "settings" not in self.__dict__:
             state = dict(state, settings=options.from_legacy(state), group_defaults=_legacy_group_defaults(state))
+            state_layout.upgrade_pickled_groups(state["param_groups"], state.get("ns_eps", 1e-7))
         super().__setstate__(state)
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                for p in group["params"]:
+                    step_as_tensor_(self.state.get(p, {}), p)
         self.__dict__.setdefault("qk_clip_report", None)
         self.__dict__.setdefault("last_step_skipped", False)
         self.__dict__.setdefault("last_step_stats", PipelineStats())
@@ -281,15 +241,75 @@ class Muon(Optimizer):
         self.__dict__.pop("_cached_context", None)  # rebuilt for this process's parameters
 
 
+NO_LOGITS_WARNING = (
+    "Muon: QK-clip is configured but step() got no qk_logits, so nothing was clipped this step. Pass "
+    "step(qk_logits=...) every step, or give the optimizer a source it reads when step() is called without "
+    "them: opt.set_qk_logits_source(recorder) (e.g. optimizer.integrations.huggingface.MaxLogitRecorder; "
+    "build_muon/MuonFactory set it up)."
+)
+
+
+def follow_momentum_schedule(groups: list[dict]) -> None:
+    """OneCycleLR/CyclicLR with ``cycle_momentum`` write ``momentum`` into every group (the
+    defaults have ``momentum`` and no ``betas``) and mark it with ``max_momentum`` /
+    ``base_momentum``: Muon groups follow the schedule as torch.optim.Muon's do, and an AdamW
+    group takes it as its ``betas[0]``, as torch.optim.AdamW's would."""
+    for group in groups:
+        if not group["use_muon"] and "max_momentum" in group and "base_momentum" in group:
+            group["betas"] = (float(group["momentum"]), *group["betas"][1:])
+
+
+def split_by_kind(group: dict) -> list[dict]:
+    """A torch-style group (no ``use_muon``) as a Muon group of its matrices (2-D, and 3-D expert
+    stacks) and an AdamW group of the rest, each with the options that apply to it: torch's
+    meaning of an option wins where ours differs (``eps`` and ``adjust_lr_fn`` are Newton–Schulz's,
+    so they go to the Muon group only)."""
+    params = group.get("params")
+    params = [params] if isinstance(params, torch.Tensor) else list(params if params is not None else [])
+    if len({isinstance(p, tuple) for p in params}) > 1:
+        raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+    names = group.get("param_names")
+    named = [p if isinstance(p, tuple) else (None if names is None else names[i], p) for i, p in enumerate(params)]
+    muon_only = {o.name for o in options.options_of(options.MUON)} - {o.name for o in options.GROUP_OPTIONS
+                                                                     if o.kinds == options.BOTH}
+    adamw_only = {o.name for o in options.options_of(options.ADAMW)} - {o.name for o in options.GROUP_OPTIONS
+                                                                       if options.MUON in o.kinds}
+    rest = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    parts = []
+    for use_muon in (True, False):
+        mine = [(n, p) for n, p in named if isinstance(p, torch.Tensor) and (p.dim() in (2, 3)) == use_muon]
+        if not mine and (parts or not use_muon):
+            continue
+        drop = adamw_only if use_muon else muon_only | {"eps", "adjust_lr_fn"}
+        part = {k: v for k, v in rest.items() if k not in drop}
+        part["params"] = [p for _, p in mine] if names is not None or any(n is None for n, _ in mine) else list(mine)
+        if names is not None:
+            part["param_names"] = [n for n, _ in mine]
+        parts.append({**part, "use_muon": use_muon})
+    if not _SPLIT_LOGGED:
+        _SPLIT_LOGGED.append(True)
+        logger.info(
+            "Muon: parameters given without use_muon groups: matrices (2-D, 3-D expert stacks) go to Muon, the "
+            "rest to AdamW. optimizer.get_default_muon_param_groups(model) also sends embeddings, the output head "
+            "and MoE routers to AdamW, as Muon's authors recommend."
+        )
+    return parts
+
+
+_SPLIT_LOGGED: list[bool] = []  # the note above is logged once per process
+
+
 def _legacy_group_defaults(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per-kind group defaults of an optimizer pickled before the settings record: torch's
-    ``defaults`` and the AdamW betas it kept as an attribute."""
-    _, defaults = options.from_constructor({})
+    """Group defaults of an optimizer pickled before the settings record: torch's ``defaults``,
+    the AdamW betas and the Newton–Schulz eps it kept as attributes."""
+    _, defaults = options.from_constructor((), {})
     for kind, values in defaults.items():
         for name in values:
-            if name in state.get("defaults", {}):
-                values[name] = state["defaults"][name]
+            if name in state.get("defaults", {}) and not (name == "eps" and kind != options.ADAMW):
+                values[name] = state["defaults"][name]  # its defaults' eps was AdamW's
     defaults[options.ADAMW]["betas"] = tuple(state.get("adamw_betas", defaults[options.ADAMW]["betas"]))
+    for kind in (options.MUON, options.TORCH_STYLE):
+        defaults[kind]["eps"] = state.get("ns_eps", defaults[kind]["eps"])
     return defaults
 
 

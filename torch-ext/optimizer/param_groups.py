@@ -64,7 +64,8 @@ from collections.abc import Callable, Mapping
 
 from torch import Tensor, nn
 
-from .row_blocks import ROW_BLOCKS_KEY, is_plain_qkv_spec, row_blocks_to_plain
+from .matrix_view import TRANSPOSED_KEY
+from .row_blocks import ROW_BLOCKS_KEY, row_blocks_to_plain
 
 # Owning-module names of output heads ("lm_head.weight" in HF, "output.weight" in torchtitan).
 # Matched against the module that owns the weight only, so e.g. BERT's
@@ -94,7 +95,6 @@ TRAINER_NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?
 _NO_DECAY_RES = tuple(re.compile(p) for p in TRAINER_NO_DECAY_PATTERNS)
 
 ADAMW_OPTION_KEYS = ("lr", "weight_decay", "betas", "eps", "maximize")
-TRANSPOSED_KEY = "muon_transposed"
 FUSED_GATE_UP_MODES = ("split", "whole")
 
 ROLES = ("matrix", "embedding", "head", "router", "adapter", "conv", "bias", "vector", "tensor")
@@ -334,6 +334,41 @@ def get_default_muon_param_groups(
     any (module docstring). Row-block specs are in their plain form, so the optimizer's state dict
     loads with ``torch.load(weights_only=True)``.
     """
+    adamw_options, exempt = _check_arguments(model, is_muon, adamw_options, no_decay, fused_gate_up,
+                                             muon_group_options)
+    facts = _ModelFacts(model)
+    muon, decay, no_decay_group = ([], []), ([], []), ([], [])
+    transposed, blocks = {}, {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if _goes_to_muon(name, param, is_muon, facts):
+            target = muon
+            if id(param) in facts.transposed:
+                transposed[name] = True
+            if fused_gate_up == "split" and id(param) in facts.row_blocks:
+                blocks[name] = facts.row_blocks[id(param)]
+        elif exempt is not None and exempt(name, param):
+            target = no_decay_group
+        else:
+            target = decay
+        target[0].append(param)
+        target[1].append(name)
+
+    groups = []
+    if muon[0]:
+        options = _muon_group_options(muon_group_options, blocks, transposed)
+        groups.append({"params": muon[0], "param_names": muon[1], "use_muon": True, **options})
+    if decay[0]:
+        groups.append({"params": decay[0], "param_names": decay[1], "use_muon": False, **adamw_options})
+    if no_decay_group[0]:
+        groups.append({"params": no_decay_group[0], "param_names": no_decay_group[1], "use_muon": False,
+                       **adamw_options, "weight_decay": 0.0})
+    return groups
+
+
+def _check_arguments(model, is_muon, adamw_options, no_decay, fused_gate_up, muon_group_options):
+    """Refuse bad arguments by name; returns the AdamW options and the no-decay predicate."""
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"get_default_muon_param_groups expects an nn.Module, got {type(model).__name__}"
@@ -349,60 +384,39 @@ def get_default_muon_param_groups(
     if fused_gate_up not in FUSED_GATE_UP_MODES:
         raise ValueError(f"fused_gate_up must be one of {FUSED_GATE_UP_MODES}, got {fused_gate_up!r}")
     if no_decay is None:
-        exempt = None
-    elif no_decay == "trainer":
+        return adamw_options, None
+    if no_decay == "trainer":
         names = trainer_no_decay_names(model)
-        exempt = lambda name, p: name in names  # noqa: E731
-    elif callable(no_decay):
-        exempt = no_decay
+        return adamw_options, lambda name, p: name in names
+    if callable(no_decay):
+        return adamw_options, no_decay
+    raise ValueError(f"no_decay must be None, 'trainer' or a callable (name, param) -> bool, got {no_decay!r}")
+
+
+def _goes_to_muon(name: str, param: Tensor, is_muon, facts: "_ModelFacts") -> bool:
+    if is_muon is None:
+        return _role(name, param, facts) in MUON_ROLES
+    use_muon = bool(is_muon(name, param))
+    if use_muon and param.ndim < 2:
+        raise ValueError(
+            f"is_muon chose Muon for {name!r} of shape {tuple(param.shape)}; Muon needs a "
+            "matrix (or a batch of matrices [..., m, n]); send it to AdamW instead"
+        )
+    return use_muon
+
+
+def _muon_group_options(muon_group_options: Mapping, blocks: dict, transposed: dict) -> dict:
+    """The Muon group's keys: the caller's, the automatic row blocks under the caller's
+    ``{name: spec}`` (a single spec replaces them), and the transposed weights."""
+    options = dict(muon_group_options)
+    user_blocks = options.pop(ROW_BLOCKS_KEY, None)
+    if user_blocks is not None and not isinstance(user_blocks, Mapping):
+        options[ROW_BLOCKS_KEY] = user_blocks  # one spec for the whole group: as given
     else:
-        raise ValueError(f"no_decay must be None, 'trainer' or a callable (name, param) -> bool, got {no_decay!r}")
-
-    facts = _ModelFacts(model)
-    muon, decay, no_decay_group = ([], []), ([], []), ([], [])
-    transposed, blocks = {}, {}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if is_muon is not None:
-            use_muon = bool(is_muon(name, param))
-            if use_muon and param.ndim < 2:
-                raise ValueError(
-                    f"is_muon chose Muon for {name!r} of shape {tuple(param.shape)}; Muon needs a "
-                    "matrix (or a batch of matrices [..., m, n]); send it to AdamW instead"
-                )
-        else:
-            use_muon = _role(name, param, facts) in MUON_ROLES
-        if use_muon:
-            target = muon
-            if id(param) in facts.transposed:
-                transposed[name] = True
-            if fused_gate_up == "split" and id(param) in facts.row_blocks:
-                blocks[name] = facts.row_blocks[id(param)]
-        elif exempt is not None and exempt(name, param):
-            target = no_decay_group
-        else:
-            target = decay
-        target[0].append(param)
-        target[1].append(name)
-
-    groups = []
-    if muon[0]:
-        options = dict(muon_group_options)
-        user_blocks = options.pop(ROW_BLOCKS_KEY, None)
-        if user_blocks is not None and (not isinstance(user_blocks, Mapping) or is_plain_qkv_spec(user_blocks)):
-            options[ROW_BLOCKS_KEY] = user_blocks  # one spec for the whole group: as given
-        else:
-            merged = {**blocks, **row_blocks_to_plain(dict(user_blocks or {}))}
-            merged = {k: v for k, v in merged.items() if v is not None}
-            if merged:
-                options[ROW_BLOCKS_KEY] = merged
-        if transposed:
-            options[TRANSPOSED_KEY] = transposed
-        groups.append({"params": muon[0], "param_names": muon[1], "use_muon": True, **options})
-    if decay[0]:
-        groups.append({"params": decay[0], "param_names": decay[1], "use_muon": False, **adamw_options})
-    if no_decay_group[0]:
-        groups.append({"params": no_decay_group[0], "param_names": no_decay_group[1], "use_muon": False,
-                       **adamw_options, "weight_decay": 0.0})
-    return groups
+        merged = {**blocks, **row_blocks_to_plain(dict(user_blocks or {}))}
+        merged = {k: v for k, v in merged.items() if v is not None}
+        if merged:
+            options[ROW_BLOCKS_KEY] = merged
+    if transposed:
+        options[TRANSPOSED_KEY] = transposed
+    return options

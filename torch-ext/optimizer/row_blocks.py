@@ -23,24 +23,24 @@ each expert's ``[R, C]`` matrix, and every expert is split the same way (a calla
 
 **Plain forms.**  Param groups end up in ``optimizer.state_dict()``, and Hugging Face's Trainer
 reads ``optimizer.pt`` back with ``torch.load(weights_only=True)``, which refuses any class it does
-not know (``Unsupported global``).  Every spec except a callable therefore has a plain form made
-only of strings, ints and bools (:func:`spec_to_plain`; :func:`parse_spec` reads both forms, and
-the two forms of a spec compare equal after parsing, so a checkpoint written with either loads
-into an optimizer declaring the other):
+not know (``Unsupported global``).  Every spec except a callable therefore has a plain form, a
+string (:func:`spec_to_plain`; :func:`parse_spec` reads both forms, and the two forms of a spec
+compare equal after parsing, so a checkpoint written with either loads into an optimizer
+declaring the other):
 
 ==========================================  ================================================
 spec                                        plain form
 ==========================================  ================================================
 ``HeadBlocks(64)``                          ``"heads:64"``
 ``RowBlockSizes((8, 8))``                   ``"blocks:8,8"``
-``FusedQKV(8, 2, 64, "grouped")``           ``{"kind": "fused_qkv", "n_heads": 8, "n_kv_heads": 2,
-                                            "head_dim": 64, "layout": "grouped"}``
-``SplitQKV(FusedQKV(...), per_head=True)``  the same dict with ``"kind": "split_qkv"`` and
-                                            ``"per_head": True``
+``FusedQKV(8, 2, 64, "grouped")``           ``"fused_qkv:8,2,64,grouped"``
+``SplitQKV(FusedQKV(...), per_head=True)``  ``"split_qkv:8,2,64,grouped,per_head"``
 ==========================================  ================================================
 
-A group-level value that is such a dict is one spec for the whole group (its ``"kind"`` key tells
-it apart from a ``{param_name: spec}`` mapping).  Checkpoints written before the plain forms,
+``Muon.state_dict()`` saves a group's value as a list, one plain form (or None) per parameter of
+the group, in its order (:func:`row_blocks_for_checkpoint`): one string leaf per parameter, so
+that torch.distributed.checkpoint, which loads by matching keys, finds the same keys whatever
+the blocks are (and named and unnamed groups save alike), and the loader can compare them.  Checkpoints written before the plain forms,
 which hold the dataclass objects, still parse (load them with ``weights_only=False``).
 
 Blocks of equal shape are orthogonalised in one batched call (``rule.orthogonalize_in_blocks``).
@@ -66,12 +66,11 @@ from .attention_layouts import FusedQKV, Part
 ROW_BLOCKS_KEY = "muon_row_blocks"
 _HEADS_RE = re.compile(r"^heads:(\d+)$")
 _BLOCKS_RE = re.compile(r"^blocks:(\d+(?:,\d+)*)$")
-_QKV_KINDS = ("fused_qkv", "split_qkv")
-_FUSED_FIELDS = ("n_heads", "n_kv_heads", "head_dim", "layout")
+_QKV_RE = re.compile(r"^(fused_qkv|split_qkv):(\d+),(\d+),(\d+),(\w+)(,per_head)?$")
 _SPEC_FORMS = (
-    "'heads:<head_dim>', 'blocks:<r1>,<r2>,...', HeadBlocks(d), RowBlockSizes((r1, ...)), FusedQKV(...), "
-    "SplitQKV(FusedQKV(...), per_head=True), their plain dicts {'kind': 'fused_qkv' | 'split_qkv', ...}, "
-    "a callable (name, shape) -> blocks, or None"
+    "'heads:<head_dim>', 'blocks:<r1>,<r2>,...', 'fused_qkv:<n_heads>,<n_kv_heads>,<head_dim>,<layout>', "
+    "'split_qkv:...[,per_head]', HeadBlocks(d), RowBlockSizes((r1, ...)), FusedQKV(...), "
+    "SplitQKV(FusedQKV(...), per_head=True), a callable (name, shape) -> blocks, or None"
 )
 
 
@@ -148,32 +147,17 @@ class RowBlocks:
         return self._on_device[key]
 
 
-def is_plain_qkv_spec(value) -> bool:
-    """True for the plain dict form of a ``FusedQKV`` / ``SplitQKV`` spec (it has a ``"kind"`` key
-    naming one), as opposed to a ``{param_name: spec}`` mapping."""
-    return isinstance(value, Mapping) and value.get("kind") in _QKV_KINDS
-
-
-def _parse_plain_qkv(spec: Mapping, where: str):
-    kind = spec["kind"]
-    allowed = {"kind", *_FUSED_FIELDS} | ({"per_head"} if kind == "split_qkv" else set())
-    required = {"kind", *_FUSED_FIELDS}
-    keys = set(spec)
-    if not required <= keys <= allowed:
-        raise ValueError(
-            f"{where}: {ROW_BLOCKS_KEY} spec {dict(spec)!r} is a plain {kind!r} spec but its keys are "
-            f"{sorted(keys)}; it needs {sorted(required)}" + (" and may have 'per_head'" if kind == "split_qkv" else "")
-        )
+def _parse_qkv(match: re.Match, where: str):
+    kind, n_heads, n_kv, head_dim, layout, per_head = match.groups()
     try:
-        fused = FusedQKV(*(spec[k] for k in _FUSED_FIELDS))
+        fused = FusedQKV(int(n_heads), int(n_kv), int(head_dim), layout)
     except ValueError as err:
-        raise ValueError(f"{where}: {ROW_BLOCKS_KEY} spec {dict(spec)!r}: {err}") from None
+        raise ValueError(f"{where}: {ROW_BLOCKS_KEY} spec {match.string!r}: {err}") from None
     if kind == "fused_qkv":
+        if per_head:
+            raise ValueError(f"{where}: {ROW_BLOCKS_KEY} spec {match.string!r}: per_head belongs to split_qkv")
         return fused
-    per_head = spec.get("per_head", False)
-    if not isinstance(per_head, bool):
-        raise ValueError(f"{where}: {ROW_BLOCKS_KEY} spec {dict(spec)!r}: per_head must be True or False")
-    return SplitQKV(fused, per_head=per_head)
+    return SplitQKV(fused, per_head=bool(per_head))
 
 
 def parse_spec(spec, where: str):
@@ -192,8 +176,9 @@ def parse_spec(spec, where: str):
         m = _BLOCKS_RE.match(text)
         if m and all(int(s) > 0 for s in m.group(1).split(",")):
             return RowBlockSizes(tuple(int(s) for s in m.group(1).split(",")))
-    elif is_plain_qkv_spec(spec):
-        return _parse_plain_qkv(spec, where)
+        m = _QKV_RE.match(text)
+        if m:
+            return _parse_qkv(m, where)
     elif callable(spec) and not isinstance(spec, Mapping):
         return spec
     raise ValueError(f"{where}: {ROW_BLOCKS_KEY} spec {spec!r} is not understood; use {_SPEC_FORMS}")
@@ -202,7 +187,7 @@ def parse_spec(spec, where: str):
 def spec_to_plain(spec, where: str = "spec_to_plain"):
     """The plain form of a spec (strings, ints and bools only), which ``torch.load(weights_only=True)``
     reads: ``HeadBlocks(16) -> "heads:16"``, ``RowBlockSizes((8, 8)) -> "blocks:8,8"``, ``FusedQKV`` /
-    ``SplitQKV`` -> a small dict (module docstring).  None stays None; a callable raises
+    ``SplitQKV`` -> ``"fused_qkv:..."`` / ``"split_qkv:..."``.  None stays None; a callable raises
     ``ValueError``: it cannot be saved, pass it again when loading."""
     spec = parse_spec(spec, where)
     if spec is None:
@@ -213,11 +198,9 @@ def spec_to_plain(spec, where: str = "spec_to_plain"):
         return "blocks:" + ",".join(str(s) for s in spec.sizes)
     if isinstance(spec, (FusedQKV, SplitQKV)):
         fused = spec if isinstance(spec, FusedQKV) else spec.fused
-        plain = {"kind": "fused_qkv" if isinstance(spec, FusedQKV) else "split_qkv",
-                 **{k: getattr(fused, k) for k in _FUSED_FIELDS}}
-        if isinstance(spec, SplitQKV):
-            plain["per_head"] = bool(spec.per_head)
-        return plain
+        kind = "fused_qkv" if isinstance(spec, FusedQKV) else "split_qkv"
+        per_head = ",per_head" if isinstance(spec, SplitQKV) and spec.per_head else ""
+        return f"{kind}:{fused.n_heads},{fused.n_kv_heads},{fused.head_dim},{fused.layout}{per_head}"
     raise ValueError(
         f"{where}: a callable {ROW_BLOCKS_KEY} spec ({spec!r}) has no plain form and cannot be saved in a "
         "checkpoint; use a 'heads:'/'blocks:' string or a FusedQKV/SplitQKV, or pass the callable again when loading"
@@ -226,21 +209,46 @@ def spec_to_plain(spec, where: str = "spec_to_plain"):
 
 def row_blocks_to_plain(group_value, where: str = ROW_BLOCKS_KEY):
     """A group's ``muon_row_blocks`` value (one spec, or ``{param_name: spec}``) in plain form."""
-    if isinstance(group_value, Mapping) and not is_plain_qkv_spec(group_value):
+    if isinstance(group_value, Mapping):
         return {name: spec_to_plain(v, f"{where} '{name}'") for name, v in group_value.items()}
     return spec_to_plain(group_value, where)
 
 
+def row_blocks_for_checkpoint(group_value, names: Sequence[str]) -> list:
+    """``[plain spec or None]``, one per parameter of a group in its order (module docstring); a
+    callable spec stays the callable (it has no plain form: pass it again when loading)."""
+    out = []
+    for name in names:
+        spec = parse_spec(group_value.get(name) if isinstance(group_value, Mapping) else group_value, f"'{name}'")
+        out.append(spec if callable(spec) else spec_to_plain(spec))
+    return out
+
+
+def from_checkpoint(saved_value, names: Sequence[str]):
+    """A checkpoint's ``muon_row_blocks`` as a group value: the per-parameter list
+    :func:`row_blocks_for_checkpoint` writes becomes ``{name: spec}``; older forms pass through."""
+    if isinstance(saved_value, (list, tuple)):
+        if len(saved_value) != len(names):
+            raise ValueError(f"the checkpoint lists {len(saved_value)} {ROW_BLOCKS_KEY} entries for {len(names)} parameters")
+        return dict(zip(names, saved_value))
+    return saved_value
+
+
 def spec_for(group_value, name: str, where: str):
     """The spec for one parameter from a group's ``muon_row_blocks`` value (spec or {name: spec})."""
-    if isinstance(group_value, Mapping) and not is_plain_qkv_spec(group_value):
+    if isinstance(group_value, Mapping):
         return parse_spec(group_value.get(name), f"{where} '{name}'")
     return parse_spec(group_value, f"{where} '{name}'")
 
 
 def check_group_row_blocks(group_value, names: Sequence[str], where: str) -> None:
-    """A dict value must only name parameters of the group (a typo would silently not split)."""
-    if isinstance(group_value, Mapping) and not is_plain_qkv_spec(group_value):
+    """A dict value must only name parameters of the group (a typo would silently not split); a
+    list (a checkpoint's, :func:`row_blocks_for_checkpoint`) holds one spec per parameter."""
+    if isinstance(group_value, (list, tuple)):
+        for i, v in enumerate(group_value):
+            parse_spec(v, f"{where} [{i}]")
+        return
+    if isinstance(group_value, Mapping):
         unknown = [k for k in group_value if k not in set(names)]
         if unknown:
             raise ValueError(

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from .newton_schulz import zeropower_via_newtonschulz
+from .parallel.split_newton_schulz import split_zeropower_via_newtonschulz
 from .qk_clip.step import apply_clip_
 from .row_blocks import RowBlocks, compile_blocks
 
@@ -200,6 +201,13 @@ class NewtonSchulz:
         return zeropower_via_newtonschulz(x, ns_steps=self.ns_steps, coefficients=self.coefficients, eps=self.eps,
                                           compute_dtype=self.compute_dtype, method=self.method)
 
+    def split(self, x: Tensor, widths: Sequence[int], group) -> Tensor:
+        """This rank's column block of ``self(whole)``, the matrix's column blocks (``widths``, in
+        group-rank order) spread over ``group`` (``x`` short side first; collective)."""
+        return split_zeropower_via_newtonschulz(x, widths, group, ns_steps=self.ns_steps,
+                                                coefficients=self.coefficients, eps=self.eps,
+                                                compute_dtype=self.compute_dtype, method=self.method)
+
 
 def block_lr_factor(rows_per_block: int, full_shape: Sequence[int], mode: str | None) -> float:
     """``adjust_lr(1, [rows_per_block, in]) / adjust_lr(1, full_shape)`` (1 without adjustment)."""
@@ -290,6 +298,14 @@ class OwnerStage:
                 out = hat.to(out.dtype)  # the update in Newton–Schulz's dtype, as every path sends it
         return out, (None if v is None else encode_rows(v, rows.dtype))
 
+    def split(self, x: Tensor, widths: Sequence[int], group) -> Tensor:
+        """This rank's column block of the whole matrix's Newton–Schulz (``NewtonSchulz.split``).
+        Only plain units are cut: row blocks and NorMuon's row statistics keep a unit whole
+        (the planner never cuts them), so there is nothing after Newton–Schulz to do here."""
+        if self.blocks is not None or self.normuon_beta2 is not None:
+            raise AssertionError("OwnerStage.split: a unit with row blocks or NorMuon is never cut")
+        return self.newton_schulz.split(x, widths, group)
+
 
 # ---------------------------------------------------------------------------- one parameter's step
 
@@ -334,6 +350,20 @@ class MatrixStep:
     @property
     def scales_rows(self) -> bool:
         return self.clip is not None
+
+    def orthogonalize_split(self, x: Tensor, widths: Sequence[int], group) -> Tensor:
+        """The owner's stage for one block of a matrix cut over ``group`` (``ns_split``): ``x`` is
+        this rank's column block, short side first (the runtime transposes a tall matrix's row
+        block), ``widths`` every member's block width in group-rank order.  Returns this rank's
+        block of what :attr:`orthogonalize` returns for the whole matrix.  Collective on ``group``.
+
+        NorMuon units are not cut (``StepContext``): their per-row mean of O*O and the per-matrix
+        Frobenius rescale need whole rows.  Cutting them would hook in here, after the split call:
+        ``split_newton_schulz.row_sums_of_squares(block, group, rows_whole)`` gives every row's
+        sum over the whole matrix and the squared Frobenius norm with one all-reduce (of ``rows``
+        numbers for a wide matrix cut by columns, of one number for a tall one), and v's rows
+        would travel with the blocks as they do with whole units."""
+        return self.orthogonalize.split(x, widths, group)
 
     def input_into(self, out: Tensor, region: tuple = ()) -> None:
         nesterov_input_(out, _region(self.grad, region), _region(self.buf, region), self.momentum, self.nesterov)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .distributed import agreement
+from .matrix_view import TRANSPOSED_KEY, check_transposed
 from .newton_schulz import check_ns_method, resolve_ns_coefficients
 from .qk_clip import QKClipConfig, config_record
 from .row_blocks import ROW_BLOCKS_KEY, check_group_row_blocks
@@ -129,6 +130,11 @@ def _row_blocks(value, where, context) -> None:
     check_group_row_blocks(value, context.get("param_names") or [], f"Muon: {group}")
 
 
+def _transposed(value, where, context) -> None:
+    group = where.removesuffix(TRANSPOSED_KEY).rstrip()
+    check_transposed(value, context.get("param_names") or [], f"Muon: {group}")
+
+
 def _compute_dtype(value, where, context) -> None:
     if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
         raise ValueError(f"Muon: `{where}` must be a floating torch.dtype or None, got {value!r}")
@@ -218,7 +224,6 @@ class MuonSettings:
     """Muon's optimizer-wide options: one value per optimizer, validated on construction
     (also by ``dataclasses.replace``, which is how an option is changed on a live optimizer)."""
 
-    eps: float = _option(1e-7, "Newton–Schulz normalisation epsilon (divides by max(||X||_F, eps) in fp32)", _positive)
     compute_dtype: torch.dtype | None = _option(
         None, "Newton–Schulz dtype; None: fp32 on CPU (bf16 matmul is ~100x slower there), bf16 on CUDA; "
         "sharded pieces travel in it when narrower", _compute_dtype, plan=True)
@@ -248,8 +253,10 @@ class MuonSettings:
 
 @dataclass(frozen=True)
 class GroupOption:
-    """One per-group option: its default (the constructor keyword's default), which groups it
-    applies to, and how it is checked."""
+    """One per-group option of the groups of ``kinds``: its default (the constructor keyword's
+    default), how it is checked, and whether the step plan depends on it.  One name may be
+    declared once per kind (``eps`` is Newton–Schulz's in Muon groups and AdamW's in AdamW
+    groups, each with its own constructor keyword)."""
 
     name: str
     kinds: tuple[str, ...]
@@ -262,7 +269,11 @@ class GroupOption:
     # In torch's ``defaults`` (which torch fills into every group).  Not "betas": OneCycleLR and
     # CyclicLR cycle ``betas[0]`` of every group when the defaults have it, and Muon groups cycle
     # ``momentum`` instead (AdamW groups follow it as betas[0]: see ``Muon._follow_momentum``).
-    torch_default: bool = True
+    in_torch_defaults: bool = True
+    # The default torch.optim.Muon uses where it differs from ours, for torch-style calls (a plain
+    # list of tensors, or groups without ``use_muon``) that do not set the option.
+    torch_default: Any = None
+    has_torch_default: bool = False
     # The value as groups hold it (e.g. a dtype given by name as the torch.dtype); None: as given.
     normalize: Callable[[Any], Any] | None = None
     # A group holds the option only when it is not at its default ("off"): a group without it reads
@@ -277,6 +288,7 @@ class GroupOption:
 
 
 BOTH = (MUON, ADAMW)
+ADJUST_LR_MODES = ("match_rms_adamw", "original", "none", None)
 
 GROUP_OPTIONS: tuple[GroupOption, ...] = (
     GroupOption("lr", BOTH, 1e-3, "learning rate (a float or a 1-element tensor)", _lr),
@@ -289,16 +301,28 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
                 _ns_coefficients, plan=True),
     GroupOption("ns_method", (MUON,), "auto", "'auto' (fewer FLOPs per shape and dtype), 'classic' or 'gram'",
                 _ns_method, plan=True),
+    GroupOption("eps", (MUON,), 1e-7, "Newton–Schulz normalisation epsilon: X / max(||X||_F, eps), in fp32 "
+                "(torch.optim.Muon's eps)", _positive),
+    GroupOption("ns_split", (MUON,), "auto",
+                "Newton–Schulz of one matrix split over several ranks of its shard group: 'auto' where the cost "
+                "model says it lowers the busiest rank, 'always' every matrix whose short side has at least as "
+                "many rows as the shard group has ranks (over the whole shard group), 'never'",
+                _one_of("auto", "never", "always"), plan=True, optional=True),
     GroupOption("adjust_lr", (MUON,), "match_rms_adamw",
-                "'match_rms_adamw': 0.2 sqrt(max(A, B)); 'original': sqrt(max(1, A/B)); None: none",
-                _one_of("match_rms_adamw", "original", "none", None)),
-    GroupOption("eps", (ADAMW,), 1e-8, "AdamW's epsilon", _positive, keyword="adamw_eps"),
+                "'match_rms_adamw': 0.2 sqrt(max(A, B)); 'original': sqrt(max(1, A/B)); None: none. "
+                "torch-style calls default to 'original', as torch.optim.Muon",
+                _one_of(*ADJUST_LR_MODES), torch_default="original", has_torch_default=True),
+    GroupOption("eps", (ADAMW,), 1e-8, "AdamW's epsilon", _positive, keyword="adamw_eps", in_torch_defaults=False),
     GroupOption("betas", (ADAMW,), (0.9, 0.95), "AdamW's (beta1, beta2)", _betas, keyword="adamw_betas",
-                torch_default=False),
+                in_torch_defaults=False),
     GroupOption("maximize", BOTH, False, "maximise the objective (the gradient's sign flips)", _boolean),
     GroupOption(ROW_BLOCKS_KEY, (MUON,), None,
                 "row blocks orthogonalised as separate matrices: one spec for the group or {param_name: spec}",
                 _row_blocks, plan=True, constructor=False),
+    GroupOption(TRANSPOSED_KEY, (MUON,), None,
+                "weights stored [in, out] (GPT-2's Conv1D): True for the group or {param_name: True}; Muon reads "
+                "them as [out, in] (lr adjustment, row statistics, QK-clip rows, row blocks)",
+                _transposed, plan=True, constructor=False),
     GroupOption("normuon_beta2", (MUON,), None,
                 "None: Muon; a number in [0, 1): NorMuon (arXiv 2510.05491), a per-row second moment "
                 "v <- beta2 v + (1 - beta2) mean(O*O, last dim) of the orthogonalised update O (per matrix, "
@@ -312,23 +336,58 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
                 "memory); the arithmetic is in the wider of it and the parameter's dtype",
                 _momentum_dtype, plan=True, normalize=dtype_of, optional=True),
 )
-GROUP_OPTION = {o.name: o for o in GROUP_OPTIONS}
+
+
+def options_of(kind: str) -> tuple[GroupOption, ...]:
+    """The group options of one kind of group ("muon" or "adamw")."""
+    return tuple(o for o in GROUP_OPTIONS if kind in o.kinds)
+
+
+# torch.optim.Muon's keywords, in its positional order (``Muon(params, lr, weight_decay, ...)``),
+# and its one alias: ``adjust_lr_fn`` is our ``adjust_lr`` with None meaning "original".
+TORCH_POSITIONAL = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+                    "adjust_lr_fn")
+ADJUST_LR_FN_MODES = (None, "original", "match_rms_adamw")
+
+
+def adjust_lr_from_fn(value: Any, where: str) -> str:
+    """torch.optim.Muon's ``adjust_lr_fn`` as our ``adjust_lr``."""
+    if not (value is None or isinstance(value, str)) or value not in ADJUST_LR_FN_MODES:
+        raise ValueError(f"Muon: `{where}` must be one of {ADJUST_LR_FN_MODES} (torch.optim.Muon's adjust_lr_fn; "
+                         f"None means 'original'), got {value!r}")
+    return "original" if value is None else value
+
+
+def resolve_adjust_lr_fn(options: dict, where: str) -> None:
+    """Replace torch's ``adjust_lr_fn`` by ``adjust_lr`` in a dict of options (in place)."""
+    if "adjust_lr_fn" not in options:
+        return
+    if "adjust_lr" in options:
+        raise ValueError(
+            f"Muon: {where or 'the constructor'} sets both `adjust_lr` and `adjust_lr_fn` (torch.optim.Muon's name "
+            "for it); pass one: "
+            "adjust_lr='original' is adjust_lr_fn=None"
+        )
+    options["adjust_lr"] = adjust_lr_from_fn(options.pop("adjust_lr_fn"), f"{where} adjust_lr_fn" if where else "adjust_lr_fn")
 
 
 # ---------------------------------------------------------------------------- derived
 
 
 def constructor_keywords() -> dict[str, Any]:
-    """Every keyword ``Muon.__init__`` takes besides ``params``, with its default."""
+    """Every keyword ``Muon.__init__`` takes besides ``params``, with its default (torch's
+    positional ones first, in torch's order)."""
     out = {o.ctor_keyword: o.default for o in GROUP_OPTIONS if o.constructor}
     out.update({f.name: f.default for f in fields(MuonSettings)})
-    return out
+    out["adjust_lr_fn"] = None  # torch.optim.Muon's alias of adjust_lr (see resolve_adjust_lr_fn)
+    return {**{k: out[k] for k in TORCH_POSITIONAL}, **{k: v for k, v in out.items() if k not in TORCH_POSITIONAL}}
 
 
 def constructor_signature() -> inspect.Signature:
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in constructor_keywords().items()]
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter("self", positional), inspect.Parameter("params", positional)]
+    params += [inspect.Parameter(k, positional if k in TORCH_POSITIONAL else inspect.Parameter.KEYWORD_ONLY,
+                                 default=v) for k, v in constructor_keywords().items()]
     return inspect.Signature(params)
 
 
@@ -337,26 +396,42 @@ def constructor_doc() -> str:
     for o in GROUP_OPTIONS:
         if o.constructor:
             lines.append(f"    {o.ctor_keyword}={o.default!r} [{'/'.join(o.kinds)} groups]: {o.doc}")
+    lines.append("    adjust_lr_fn: torch.optim.Muon's name for adjust_lr (None: 'original'); not with adjust_lr")
     lines.append("Per-group only:")
     lines += [f"    {o.name} [{'/'.join(o.kinds)} groups]: {o.doc}" for o in GROUP_OPTIONS if not o.constructor]
     lines.append("Optimizer options:")
     lines += [f"    {f.name}={f.default!r}: {f.metadata['declared'].doc}" for f in fields(MuonSettings)]
+    lines.append(f"Positional, in torch.optim.Muon's order: params, {', '.join(TORCH_POSITIONAL)}.")
     return "\n".join(lines)
 
 
-def from_constructor(options: Mapping[str, Any]) -> tuple[MuonSettings, dict[str, dict[str, Any]]]:
-    """The validated settings and per-kind group defaults from ``Muon.__init__``'s keywords.
+#: A Muon group made from torch-style input (a plain list of tensors, or a group without
+#: ``use_muon``): its defaults are torch.optim.Muon's where they differ from ours.
+TORCH_STYLE = "muon_torch_style"
 
-    Unknown keywords raise TypeError, as Python would for an explicit signature.
+
+def from_constructor(args: Sequence[Any], options: Mapping[str, Any]) -> tuple[MuonSettings, dict[str, dict[str, Any]]]:
+    """The validated settings and the group defaults (per kind, and for torch-style Muon groups)
+    from ``Muon.__init__``'s arguments after ``params``.
+
+    Positional arguments follow torch.optim.Muon's order (:data:`TORCH_POSITIONAL`); unknown or
+    repeated keywords raise TypeError, as Python would for an explicit signature.
     """
     known = constructor_keywords()
-    unknown = [k for k in options if k not in known]
-    if unknown:
-        raise TypeError(f"Muon.__init__() got an unexpected keyword argument {unknown[0]!r} "
-                        f"(its options: {', '.join(known)})")
-    values = {**known, **options}
+    if len(args) > len(TORCH_POSITIONAL):
+        raise TypeError(f"Muon.__init__() takes at most {len(TORCH_POSITIONAL) + 1} positional arguments after "
+                        f"self ({', '.join(('params',) + TORCH_POSITIONAL)}), got {len(args) + 1}")
+    given = dict(zip(TORCH_POSITIONAL, args))
+    for k, v in options.items():
+        if k not in known:
+            raise TypeError(f"Muon.__init__() got an unexpected keyword argument {k!r} (its options: {', '.join(known)})")
+        if k in given:
+            raise TypeError(f"Muon.__init__() got multiple values for argument {k!r}")
+        given[k] = v
+    resolve_adjust_lr_fn(given, "")
+    values = {**known, **given}
     settings = MuonSettings(**{f.name: values[f.name] for f in fields(MuonSettings)})
-    defaults: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
+    defaults: dict[str, dict[str, Any]] = {kind: {} for kind in (*KINDS, TORCH_STYLE)}
     for o in GROUP_OPTIONS:
         if not o.constructor:
             continue
@@ -366,15 +441,19 @@ def from_constructor(options: Mapping[str, Any]) -> tuple[MuonSettings, dict[str
             value = o.normalize(value)
         for kind in o.kinds:
             defaults[kind][o.name] = value
+        if MUON in o.kinds:
+            torch_style = o.has_torch_default and o.ctor_keyword not in given
+            defaults[TORCH_STYLE][o.name] = o.torch_default if torch_style else value
     return settings, defaults
 
 
 def torch_defaults(group_defaults: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """What torch's ``Optimizer`` keeps as ``defaults`` (and fills into every group)."""
+    """What torch's ``Optimizer`` keeps as ``defaults`` (and fills into every group): every
+    constructor-set option (Muon groups' value where a name is declared for both kinds)."""
     out: dict[str, Any] = {}
     for o in GROUP_OPTIONS:
-        if o.constructor and o.torch_default and not o.optional:
-            out[o.name] = group_defaults[o.kinds[-1]][o.name]
+        if o.constructor and o.in_torch_defaults and not o.optional and o.name not in out:
+            out[o.name] = group_defaults[o.kinds[0]][o.name]
     return out
 
 
@@ -382,9 +461,12 @@ def kind_of(group: Mapping) -> str:
     return MUON if group["use_muon"] else ADAMW
 
 
-def fill_group(group: dict, group_defaults: Mapping[str, Mapping[str, Any]]) -> None:
-    """Fill the options of the group's kind that it does not set (before torch fills the rest)."""
-    for name, value in group_defaults[kind_of(group)].items():
+def fill_group(group: dict, group_defaults: Mapping[str, Mapping[str, Any]], torch_style: bool = False) -> None:
+    """Fill the options of the group's kind that it does not set (before torch fills the rest);
+    ``torch_style``: a Muon group made from torch-style input takes torch.optim.Muon's defaults."""
+    resolve_adjust_lr_fn(group, "a param group")
+    kind = TORCH_STYLE if torch_style and group["use_muon"] else kind_of(group)
+    for name, value in group_defaults[kind].items():
         group.setdefault(name, value)
     normalize_group(group)
     if group["use_muon"]:
@@ -409,9 +491,8 @@ def _is_default(o: GroupOption, value: Any) -> bool:
 
 def check_group(group: Mapping, where: str) -> None:
     """Every option of a (filled) group that applies to its kind; ``where`` names the group."""
-    kind = kind_of(group)
-    for o in GROUP_OPTIONS:
-        if kind in o.kinds and o.name in group:
+    for o in options_of(kind_of(group)):
+        if o.name in group:
             o.check(group[o.name], f"{where} {o.name}", group)
 
 
@@ -441,8 +522,8 @@ def plan_key(settings: MuonSettings, param_groups: Sequence[Mapping]) -> tuple:
 
 
 def from_legacy(state: Mapping[str, Any]) -> MuonSettings:
-    """Settings of an optimizer pickled before they were one record (attributes of the optimizer;
-    the Newton–Schulz eps was ``ns_eps``); missing ones take their defaults."""
-    renamed = {"ns_eps": "eps"}
-    values = {renamed.get(k, k): v for k, v in state.items() if renamed.get(k, k) in {f.name for f in fields(MuonSettings)}}
-    return MuonSettings(**values)
+    """Settings of an optimizer pickled before they were one record (attributes of the optimizer);
+    missing ones take their defaults.  (Its ``ns_eps`` is a Muon-group option now: see
+    ``state_layout.upgrade``.)"""
+    names = {f.name for f in fields(MuonSettings)}
+    return MuonSettings(**{k: v for k, v in state.items() if k in names})

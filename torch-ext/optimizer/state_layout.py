@@ -21,34 +21,45 @@ segments that wrappers insert (``_orig_mod`` from ``torch.compile``, ``_checkpoi
 from activation checkpointing, ``_fsdp_wrapped_module`` from FSDP1), so a checkpoint written
 from the unwrapped model loads into the wrapped one and back, as it does for torch.optim.AdamW.
 
-Layout version 1, per parameter:
+Layout version 2, per parameter:
   Muon groups (``use_muon=True``):  ``momentum_buffer``, shaped and placed like the param (its
     dtype: the group's ``momentum_dtype``, else the param's); and ``normuon_v`` exactly when the
     group has ``normuon_beta2`` set: ``[..., rows, 1]`` (NorMuon's per-row second moment, fp32 or
     wider), a DTensor with the param's placements where a shard of the last dim is ``Replicate``
     (``distributed.placements.row_placements``), so that DCP saves and reshards it.
   AdamW groups:  ``step`` (0-d float32 tensor), ``exp_avg``, ``exp_avg_sq`` (like the param).
+Version 2 differs from 1 in one group key: a Muon group's ``eps`` is its Newton–Schulz epsilon
+(torch.optim.Muon's meaning); in version 1 it was an unused copy of AdamW's, and the Newton–Schulz
+eps was the optimizer's own, not saved.  A version-1 checkpoint loads with each Muon group's eps
+taken from the loading optimizer (built with the same ``eps``, it is the value the run used).
 
-Group options added after version 1 (``normuon_beta2``, ``cautious_wd``, ``momentum_dtype``) are
-*optional* (``settings.GroupOption.optional``): a group holds one only when it is on, and a group
-without it reads as off.  So checkpoints from before them have the same keys as today's with the
-options off: torch.distributed.checkpoint loads the keys of the loading optimizer's state dict and
-refuses a checkpoint that lacks one, nested or flattened, so a key every group held would make
-every older checkpoint unloadable through DCP.  The price: through DCP the loading optimizer
-decides which of them are read, so build it with the options of the run that saved (a plain
-``load_state_dict`` restores them from the checkpoint, like ``lr``).
+Group options added later without a version bump (``normuon_beta2``, ``cautious_wd``,
+``momentum_dtype``) are *optional* (``settings.GroupOption.optional``): a group holds one only
+when it is on, and a group without it reads as off.  So checkpoints from before them have the same
+keys as today's with the options off: torch.distributed.checkpoint loads the keys of the loading
+optimizer's state dict and refuses a checkpoint that lacks one, nested or flattened, so a key every
+group held would make every older checkpoint unloadable through DCP.  The price: through DCP the
+loading optimizer decides which of them are read, so build it with the options of the run that
+saved (a plain ``load_state_dict`` restores them from the checkpoint, like ``lr``).
 
 ``momentum_dtype`` is how this optimizer stores its momentum: the loading optimizer keeps its own
 (:data:`STORAGE_GROUP_OPTIONS`), and a buffer saved in another dtype is converted (with a logged
 note).  torch's loader would cast every floating state tensor to its parameter's dtype;
 ``momentum_buffer`` and ``normuon_v`` are kept out of that cast (:func:`split_kept_state`), so a
 bf16 buffer stays bf16 and fp32 ``v`` of a bf16 parameter stays fp32.
+
+Loadable too (:func:`upgrade`): ``torch.optim.Muon``'s state dicts (per parameter
+``momentum_buffer``, as ours; groups with ``adjust_lr_fn``), so that a run can switch to this
+optimizer mid-training.  Options a checkpoint predates take the loading optimizer's values
+(torch's own loader would drop them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,12 +67,16 @@ import torch
 from .adamw import ADAMW_STATE_KEYS
 from .qk_clip import QKClipConfig, config_from_record, config_record
 from .distributed.placements import row_placements
-from .row_blocks import ROW_BLOCKS_KEY, row_blocks_mismatch
+from .matrix_view import TRANSPOSED_KEY, transposed_for, view_placements, view_shape
+from .rule import row_state_dtype
+from .row_blocks import ROW_BLOCKS_KEY, from_checkpoint, row_blocks_for_checkpoint, row_blocks_mismatch
+from .settings import check_group, normalize_group, resolve_adjust_lr_fn
 from .tensors import is_dtensor
+from .update import momentum_dtype, work_dtype
 
 logger = logging.getLogger("optimizer.muon")
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 VERSION_KEY = "muon_state_version"
 QK_CLIP_KEY = "qk_clip_settings"
 
@@ -177,6 +192,9 @@ def split_kept_state(state_dict: Mapping, opt: torch.optim.Optimizer) -> tuple[d
         params.update(zip(saved["params"], live["params"]))
     rest, kept = {}, {}
     for pid, entry in state_dict["state"].items():
+        if pid not in params or not isinstance(entry, Mapping):  # not a parameter's: kept as torch keeps it
+            rest[pid] = entry
+            continue
         rest[pid] = {k: v for k, v in entry.items() if k not in KEPT_DTYPE_STATE}
         for key in KEPT_DTYPE_STATE:
             if key in entry:
@@ -198,6 +216,145 @@ def _group_label(group: Mapping, index: int) -> str:
     return f"param_groups[{index}] ({shown}{more})" if shown else f"param_groups[{index}]"
 
 
+def run_load_pre_hooks(opt: torch.optim.Optimizer, state_dict: Any) -> Any:
+    """torch's load-state-dict pre-hooks, run first as ``Optimizer.load_state_dict`` runs them (on a
+    shallow copy; a hook's return value replaces the state dict), so that a hook can adapt a
+    checkpoint before it is checked."""
+    if isinstance(state_dict, Mapping):
+        state_dict = dict(state_dict)
+    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+@contextlib.contextmanager
+def load_hooks_run_here(opt: torch.optim.Optimizer) -> Iterator[None]:
+    """torch's ``load_state_dict`` without its hooks: the pre-hooks have run already, and the
+    post-hooks run after the state this optimizer restores itself (:func:`load`)."""
+    pre, post = opt._optimizer_load_state_dict_pre_hooks, opt._optimizer_load_state_dict_post_hooks
+    opt._optimizer_load_state_dict_pre_hooks, opt._optimizer_load_state_dict_post_hooks = OrderedDict(), OrderedDict()
+    try:
+        yield
+    finally:
+        opt._optimizer_load_state_dict_pre_hooks, opt._optimizer_load_state_dict_post_hooks = pre, post
+
+
+def is_torch_muon(state_dict: Mapping) -> bool:
+    """A ``torch.optim.Muon`` state dict: groups with its keys, none of ours."""
+    groups = state_dict.get("param_groups") or []
+    return bool(groups) and all(
+        isinstance(g, Mapping) and "adjust_lr_fn" in g and "ns_steps" in g and "use_muon" not in g
+        and VERSION_KEY not in g for g in groups)
+
+
+def upgrade(state_dict: Any, live_groups: Sequence[Mapping], qk_clip: QKClipConfig | None) -> Any:
+    """``state_dict`` in this layout version: a ``torch.optim.Muon`` state dict's groups become Muon
+    groups (``adjust_lr_fn`` read as torch reads it), a version-1 checkpoint's Muon groups get
+    their Newton–Schulz ``eps`` (module docstring), and options a checkpoint predates take the
+    live group's values.  Anything else is returned as it is, for :func:`check_loadable` to judge."""
+    if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("param_groups"), list):
+        return state_dict
+    saved = state_dict["param_groups"]
+    torch_muon = is_torch_muon(state_dict)
+    if not torch_muon and not any(isinstance(g, Mapping) and g.get(VERSION_KEY) == 1 for g in saved):
+        return state_dict
+    groups = []
+    for gi, group in enumerate(saved):
+        group = dict(group)
+        live = live_groups[gi] if gi < len(live_groups) else {}
+        if torch_muon:
+            resolve_adjust_lr_fn(group, f"torch.optim.Muon checkpoint param_groups[{gi}]")
+            group.update({"use_muon": True, VERSION_KEY: LAYOUT_VERSION, QK_CLIP_KEY: qk_clip_record(qk_clip),
+                          ROW_BLOCKS_KEY: None})
+            logger.info("Muon.load_state_dict: param_groups[%d] is torch.optim.Muon's; its momentum carries over", gi)
+        elif group.get(VERSION_KEY) == 1:
+            if group.get("use_muon") and "eps" in live:
+                group["eps"] = live["eps"]  # version 1 kept AdamW's eps here; NS eps was not saved
+            group[VERSION_KEY] = LAYOUT_VERSION
+        for key, value in live.items():
+            if key not in group and key != "params":
+                group[key] = value
+        groups.append(group)
+    return {**state_dict, "param_groups": groups}
+
+
+def upgrade_pickled_groups(param_groups: list[dict], ns_eps: float) -> None:
+    """A pickled (not state-dict) optimizer from before version 2: its Muon groups' ``eps`` is the
+    Newton–Schulz eps it kept as an attribute."""
+    for group in param_groups:
+        if group.get("use_muon"):
+            group["eps"] = ns_eps
+        if VERSION_KEY in group:
+            group[VERSION_KEY] = LAYOUT_VERSION
+
+
+def with_plain_row_blocks(state: dict, live_groups: Sequence[Mapping], names: Sequence[str]) -> dict:
+    """A state dict whose Muon groups hold their row blocks as plain strings, one per parameter
+    (``row_blocks.row_blocks_for_checkpoint``; ``names``: every parameter's, in group order)."""
+    start = 0
+    for live, group in zip(live_groups, state["param_groups"]):
+        mine = names[start: start + len(live["params"])]
+        start += len(live["params"])
+        if live["use_muon"]:
+            group[ROW_BLOCKS_KEY] = row_blocks_for_checkpoint(live.get(ROW_BLOCKS_KEY), mine)
+    return state
+
+
+def load(opt: torch.optim.Optimizer, state_dict: Any, torch_load) -> QKClipConfig | None:
+    """``Muon.load_state_dict``: torch's load-state-dict pre-hooks first (a hook may adapt an old
+    checkpoint), then what they return is upgraded (:func:`upgrade`) and checked before anything
+    changes (:func:`check_loadable`, every group's options), then ``torch_load`` (torch's own
+    loader, which restores group options as torch's optimizers do), then the state whose dtype is
+    this optimizer's choice (:func:`restore_kept_state`), and torch's post-hooks last.
+    State entries of no parameter are kept, as torch keeps them.  The checkpoint's row blocks were
+    checked equal to the optimizer's, which keeps its specs as they were written, and so does its
+    storage (:data:`STORAGE_GROUP_OPTIONS`).  Returns the QK-clip config the checkpoint describes
+    (a custom ``classify`` is kept from the optimizer's)."""
+    live_qk_clip = opt.settings.qk_clip
+    state_dict = upgrade(run_load_pre_hooks(opt, state_dict), opt.param_groups, live_qk_clip)
+    check_loadable(opt, state_dict)
+    for i, group in enumerate(state_dict["param_groups"]):
+        check_group(group, f"checkpoint param_groups[{i}]")
+    qk_clip = qk_clip_from_groups(state_dict["param_groups"], live_qk_clip)
+    row_blocks = [g.get(ROW_BLOCKS_KEY) for g in opt.param_groups]
+    storage = [{k: g[k] for k in STORAGE_GROUP_OPTIONS if k in g} for g in opt.param_groups]
+    rest, kept = split_kept_state(state_dict, opt)
+    with load_hooks_run_here(opt):
+        torch_load({**state_dict, "state": rest})
+    for group, blocks, own in zip(opt.param_groups, row_blocks, storage):
+        for k in STORAGE_GROUP_OPTIONS:
+            group.pop(k, None)
+        group.update(own)
+        normalize_group(group)
+        if group["use_muon"]:
+            group[ROW_BLOCKS_KEY] = blocks
+    restore_kept_state(opt, kept)
+    for hook in opt._optimizer_load_state_dict_post_hooks.values():
+        hook(opt)
+    return qk_clip
+
+
+def restore_kept_state(opt: torch.optim.Optimizer, kept: Mapping) -> None:
+    """Momentum buffers and NorMuon's v, moved to their parameter's device in the dtype this
+    optimizer keeps them in (torch's loader would have cast them to the parameter's dtype); a
+    buffer saved in another dtype is converted, with a note."""
+    group_of = {p: g for g in opt.param_groups for p in g["params"]}
+    converted: dict[tuple[str, str, str], int] = {}
+    for (p, key), value in kept.items():
+        group = group_of[p]
+        dtype = momentum_dtype(p, group) if key == MOMENTUM_KEY else row_state_dtype(work_dtype(p, group))
+        if value.dtype != dtype:
+            what = (key, str(value.dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
+            converted[what] = converted.get(what, 0) + 1
+        opt.state[p][key] = value.to(device=p.device, dtype=dtype)
+    for (key, saved, live), count in converted.items():
+        logger.warning("Muon.load_state_dict: %d '%s' tensors were saved as %s and are converted to %s, the dtype "
+                       "this optimizer keeps them in (momentum_dtype, or the parameter's; set momentum_dtype to keep "
+                       "a saved momentum as it was)", count, key, saved, live)
+
+
 def check_loadable(opt: torch.optim.Optimizer, state_dict: Any) -> None:
     """Raise ValueError, before anything is loaded, if ``state_dict`` cannot be loaded into ``opt``.
 
@@ -215,12 +372,8 @@ def check_loadable(opt: torch.optim.Optimizer, state_dict: Any) -> None:
     _check_versions(saved_groups)
     owners = _check_groups(saved_groups, opt.param_groups)
     for pid, entry in state_dict["state"].items():
-        if pid not in owners:
-            raise ValueError(
-                f"Muon.load_state_dict: the checkpoint has state for parameter {pid!r}, which none of its "
-                "param groups lists; the checkpoint is damaged or was edited."
-            )
-        _check_param_state(entry, *owners[pid])
+        if pid in owners:  # entries of no parameter are kept as they are, as torch keeps them
+            _check_param_state(entry, *owners[pid])
 
 
 def _check_versions(saved_groups: list[Mapping]) -> None:
@@ -240,18 +393,19 @@ def _check_versions(saved_groups: list[Mapping]) -> None:
 
 
 def _check_groups(saved_groups: list[Mapping], live_groups: list[Mapping]) -> dict[Any, tuple]:
-    """The groups match; returns ``{saved param id: (live param, name, use_muon)}``."""
+    """The groups match; returns ``{saved param id: (live param, name, use_muon, normuon, transposed)}``."""
     if len(saved_groups) != len(live_groups):
         raise ValueError(
             f"Muon.load_state_dict: the checkpoint has {len(saved_groups)} param groups but this optimizer has "
             f"{len(live_groups)}; build the optimizer with the same param groups, in the same order, as the "
             "run that saved it."
         )
-    owners: dict[Any, tuple[torch.Tensor, str, bool, bool]] = {}
+    owners: dict[Any, tuple[torch.Tensor, str, bool, bool, bool]] = {}
     for gi, (saved, live) in enumerate(zip(saved_groups, live_groups)):
         names = _check_group(gi, saved, live)
         for pid, p, name in zip(saved["params"], live["params"], names):
-            owners[pid] = (p, name, live["use_muon"], normuon_on(saved))
+            transposed = live["use_muon"] and transposed_for(live.get(TRANSPOSED_KEY), name)
+            owners[pid] = (p, name, live["use_muon"], normuon_on(saved), transposed)
     return owners
 
 
@@ -280,14 +434,20 @@ def _check_group(gi: int, saved: Mapping, live: Mapping) -> list[str]:
     names = list(live_names) if live_names else [f"param_groups[{gi}]['params'][{j}]" for j in range(len(live["params"]))]
     if live["use_muon"]:
         # by canonical name on both sides, as the names themselves are compared above
-        problem = row_blocks_mismatch(_canonical_keys(saved.get(ROW_BLOCKS_KEY)), _canonical_keys(live.get(ROW_BLOCKS_KEY)),
-                                      [canonical_name(n) for n in names], f"param_groups[{gi}]")
+        canonical = [canonical_name(n) for n in names]
+        try:
+            saved_blocks = from_checkpoint(_canonical_keys(saved.get(ROW_BLOCKS_KEY)), canonical)
+        except ValueError as err:
+            raise ValueError(f"Muon.load_state_dict: the checkpoint's param_groups[{gi}]: {err}") from None
+        problem = row_blocks_mismatch(saved_blocks, _canonical_keys(live.get(ROW_BLOCKS_KEY)), canonical,
+                                      f"param_groups[{gi}]")
         if problem is not None:
             raise ValueError(f"Muon.load_state_dict: {problem}.")
     return names
 
 
-def _check_param_state(entry: Any, p: torch.Tensor, name: str, use_muon: bool, normuon: bool = False) -> None:
+def _check_param_state(entry: Any, p: torch.Tensor, name: str, use_muon: bool, normuon: bool = False,
+                       transposed: bool = False) -> None:
     expected = (NORMUON_STATE_KEYS if normuon else MUON_STATE_KEYS) if use_muon else ADAMW_STATE_KEYS_SET
     if not isinstance(entry, Mapping) or set(entry) != expected:
         got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
@@ -309,8 +469,9 @@ def _check_param_state(entry: Any, p: torch.Tensor, name: str, use_muon: bool, n
                 raise ValueError(f"Muon.load_state_dict: state 'step' of '{name}' must be a scalar, got {value!r}")
             continue
         shape, placements = tuple(p.shape), tuple(p.placements) if is_dtensor(p) else ()
-        if key == ROW_STATE_KEY:
-            shape, placements = (*shape[:-1], 1), row_placements(placements, p.dim()) if placements else ()
+        if key == ROW_STATE_KEY:  # one value per row of the matrix view (matrix_view.py)
+            shape = (*view_shape(shape, transposed)[:-1], 1)
+            placements = row_placements(view_placements(placements, p.dim(), transposed), p.dim()) if placements else ()
         if not torch.is_tensor(value) or tuple(value.shape) != shape:
             got_shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
             raise ValueError(

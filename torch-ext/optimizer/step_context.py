@@ -16,6 +16,7 @@ row blocks.  Per step it answers three questions:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -29,8 +30,11 @@ from .distributed import agreement, groups
 from .distributed.layout import MeshGrid, ParamLayout
 from .newton_schulz import default_compute_dtype, newton_schulz_flops
 from .parallel.plan import PlanParam, PlanSettings, StepPlan, build_plan
+from .parallel.split_newton_schulz import SplitHardware, hardware_for
+from .parallel.split_plan import SplitModel, rank_sets
 from .qk_clip.plan import QKClipPlan, build_qk_clip_plan
 from .qk_clip.step import ClipStep, check_layer_gradients, check_step_logits, compute_clip_step, describe_nonfinite
+from .matrix_view import TRANSPOSED_KEY, transposed_for, view_placements, view_shape
 from .row_blocks import ROW_BLOCKS_KEY, RowBlocks, resolve_row_blocks, spec_for
 from .rule import row_state_dtype
 from .settings import MuonSettings
@@ -51,15 +55,23 @@ class Entry:
     param: torch.Tensor
     group: int  # index into param_groups
     use_muon: bool
+    transposed: bool = False  # stored [in, out]: Muon reads its transpose (matrix_view.py)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The global shape Muon reads: ``[..., out, in]``."""
+        return view_shape(self.param.shape, self.transposed)
 
 
 def entries_of(param_groups: Sequence[Mapping]) -> list[Entry]:
-    """Every parameter with its name (``param_names``, or its position) and group."""
+    """Every parameter with its name (``param_names``, or its position), group and matrix view."""
     out = []
     for gi, group in enumerate(param_groups):
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
-            out.append(Entry(names[i] if names else f"param_groups[{gi}]['params'][{i}]", p, gi, group["use_muon"]))
+            name = names[i] if names else f"param_groups[{gi}]['params'][{i}]"
+            transposed = group["use_muon"] and transposed_for(group.get(TRANSPOSED_KEY), name)
+            out.append(Entry(name, p, gi, group["use_muon"], transposed))
     return out
 
 
@@ -90,11 +102,14 @@ class Layouts:
             hit = self._grids[mesh] = MeshGrid.of(mesh)
         return hit
 
-    def of(self, p) -> ParamLayout:
-        key = (p.device_mesh, tuple(p.shape), tuple(p.placements))
+    def of(self, p, transposed: bool = False) -> ParamLayout:
+        """The layout of ``p`` as Muon reads it (transposed: the DTensor's transpose)."""
+        shape = view_shape(p.shape, transposed)
+        placements = view_placements(p.placements, p.dim(), transposed)
+        key = (p.device_mesh, shape, placements)
         hit = self._layouts.get(key)
         if hit is None:
-            hit = self._layouts[key] = ParamLayout(tuple(p.shape), self.grid(p.device_mesh), tuple(p.placements))
+            hit = self._layouts[key] = ParamLayout(shape, self.grid(p.device_mesh), placements)
         return hit
 
 
@@ -103,6 +118,7 @@ class LocalFacts:
     """What this rank knows about a step before the ranks agree (named, not positional)."""
 
     errors: list[str]
+    missing_groups: list[tuple[int, ...]]  # process groups the plan needs that no rank created yet
     closure_error: BaseException | None
     qk_logits: Mapping | None
     clip: ClipStep | None
@@ -118,6 +134,7 @@ class LocalFacts:
             "closure_raised": int(self.closure_error is not None),
             "nonfinite_grads": self.nonfinite_grads,
             "nonfinite_logits": self.nonfinite_logits,
+            "missing_groups": int(bool(self.missing_groups)),
         }
 
 
@@ -140,6 +157,7 @@ class StepContext:
         self._layouts = layouts
         self._rank = rank
         self._clip_index: dict[int, torch.Tensor] = {}
+        self.missing_groups: list[tuple[int, ...]] = []
         self.errors += [problem for e in entries if (problem := param_problem(e.name, e.param))]
         if self.errors:
             return
@@ -149,7 +167,8 @@ class StepContext:
             except ValueError as err:
                 self.errors.append(str(err))
         plan_params = [self._plan_param(i) for i in range(len(self.muon))]
-        if not self.errors:
+        self.missing_groups = self._missing_groups(param_groups)
+        if not self.errors and not self.missing_groups:
             self._plan(plan_params)
 
     # ------------------------------------------------------------------ building
@@ -174,9 +193,9 @@ class StepContext:
     def _plan_param(self, i: int) -> PlanParam:
         e, group = self.muon[i], self.muon_groups[i]
         p = e.param
-        layout = self._layouts.of(p) if is_dtensor(p) else None
+        layout = self._layouts.of(p, e.transposed) if is_dtensor(p) else None
         if layout is not None:
-            problem = local_shape_problem(e.name, p, layout, self._rank)
+            problem = local_shape_problem(e.name, p, layout, self._rank, e.transposed)
             if problem:
                 self.errors.append(problem)
         compute = self.settings.compute_dtype or default_compute_dtype(local_view(p).device)
@@ -184,7 +203,7 @@ class StepContext:
         if group.get(ROW_BLOCKS_KEY) is not None:
             try:
                 blocks = resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], e.name, f"Muon: param_groups[{e.group}]"),
-                                            e.name, p.shape)
+                                            e.name, e.shape)
             except ValueError as err:
                 self.errors.append(str(err))
                 blocks = None
@@ -193,13 +212,41 @@ class StepContext:
                 ns_key = (e.group, e.name)  # its own orthogonalisation: never batched with others
                 cost = blocks_cost(blocks, cost)
         work = torch.promote_types(p.dtype, options.dtype_of(group.get("momentum_dtype")) or p.dtype)
+        normuon = group.get("normuon_beta2") is not None
+        whole_rows_free = group.get(ROW_BLOCKS_KEY) is None and not normuon
         return PlanParam(
-            name=e.name, shape=tuple(p.shape), layout=layout, wire_dtype=wire_dtype(compute, p),
+            name=e.name, shape=e.shape, layout=layout, wire_dtype=wire_dtype(compute, p),
             device=local_view(p).device, ns_key=ns_key, cost=cost,
             mesh=p.device_mesh if layout is not None else None,
             compute_itemsize=compute.itemsize, state_itemsize=work.itemsize,
-            row_bytes=row_state_dtype(work).itemsize if group.get("normuon_beta2") is not None else 0,
+            row_bytes=row_state_dtype(work).itemsize if normuon else 0,
+            # a unit with row blocks or NorMuon's row statistics is orthogonalised whole (README: ns_split)
+            split=split_model(group, compute, local_view(p).device) if whole_rows_free else None,
         )
+
+    def _missing_groups(self, param_groups: Sequence[Mapping]) -> list[tuple[int, ...]]:
+        """Rank sets the plan needs a process group for that this process has not created: the
+        parameters became DTensors after the optimizer was built (accelerate's FSDP2 swaps them in).
+        Every rank then creates them at this step, together (``Muon.step``)."""
+        dtensors = [e for e in self.entries if e.use_muon and is_dtensor(e.param) and e.param.dim() >= 2]
+        if not dtensors or not dist.is_initialized():
+            return []
+        union = sorted({r for e in dtensors for r in self._layouts.grid(e.param.device_mesh).ranks})
+        layouts = [(self._layouts.of(e.param, e.transposed), e.param.device_mesh) for e in dtensors]
+        needed = set(groups.rank_sets_needed(layouts, union)) | set(split_rank_sets(param_groups, self.settings,
+                                                                                   self._layouts))
+        return [s for s in sorted(needed) if not groups.has_group(s)]
+
+    def create_missing_groups(self, outcome: agreement.Outcome) -> bool:
+        """Parameters that became DTensors after construction (accelerate's FSDP2 idiom) may need
+        process groups nobody created: every rank creates them now, together, in one order — only
+        when every rank of the world takes part in this step and none refused it (else the
+        verdict raises the same error everywhere).  True when they were created."""
+        counts = outcome.counts
+        if counts["rejected_inputs"] or counts["closure_raised"] or outcome.ranks != dist.get_world_size():
+            return False
+        groups.create_collectively(self.missing_groups)
+        return True
 
     def _plan(self, plan_params: list[PlanParam]) -> None:
         s = self.settings
@@ -234,7 +281,8 @@ class StepContext:
         nothing = torch.zeros((), dtype=torch.int64)
         grads = [local_view(e.param.grad) for e in self.muon]
         return LocalFacts(
-            errors=errors, closure_error=closure_error, qk_logits=qk_logits, clip=clip,
+            errors=errors, missing_groups=self.missing_groups, closure_error=closure_error, qk_logits=qk_logits,
+            clip=clip,
             nonfinite_grads=count_nonfinite(grads) if skip_nonfinite and not errors else nothing,
             nonfinite_logits=clip.nonfinite if clip is not None else nothing,
             logits_digest=agreement.device_checksum({0: clip.flat_logits}) if clip is not None else nothing,
@@ -274,6 +322,12 @@ class StepContext:
                     "forward, or call zero_grad(set_to_none=False) so unused parameters get zero gradients."
                 )
         self._check_logits_agreed(facts, outcome)
+        if counts["missing_groups"]:
+            raise RuntimeError(
+                f"Muon.step: {counts['missing_groups']} of {n} ranks lack process groups the step needs, and they "
+                "could not be created here: the optimizer's ranks are not the whole world. Build the optimizer after "
+                "the parameters are sharded (its constructor creates them, collectively)."
+            )
         return counts["nonfinite_grads"] > 0
 
     def _check_logits_agreed(self, facts: LocalFacts, outcome: agreement.Outcome) -> None:
@@ -313,15 +367,34 @@ class StepContext:
             return None
         index = self._clip_index.get(i)
         if index is None:  # once per placement
-            p = self.muon[i].param
-            index = self._clip_index[i] = rows.local_index(self._local_rows(p), local_view(p).device)
+            e = self.muon[i]
+            index = self._clip_index[i] = rows.local_index(self._local_rows(e), local_view(e.param).device)
         return clip.table, index
 
-    def _local_rows(self, p) -> slice | torch.Tensor:
-        if not is_dtensor(p):
-            return slice(0, p.shape[0])
-        layout = self._layouts.of(p)
+    def _local_rows(self, e: Entry) -> slice | torch.Tensor:
+        """Global rows (of the matrix view) of this rank's piece of ``e``."""
+        if not is_dtensor(e.param):
+            return slice(0, e.shape[0])
+        layout = self._layouts.of(e.param, e.transposed)
         return layout.indices(layout.grid.coordinate(self._rank))[0]
+
+
+def create_process_groups(all_groups: Sequence[Mapping], new_groups: Sequence[Mapping], layouts: Layouts,
+                          settings: MuonSettings, only_if_missing: bool = False) -> None:
+    """Create, collectively, every process group the parallel step will use for ``new_groups``'
+    DTensor matrices (``distributed/groups.py``; split Newton–Schulz's too); ``all_groups``'
+    meshes give the optimizer's ranks."""
+    dtensors = [p for g in all_groups for p in g["params"] if is_dtensor(p)]
+    if not dtensors or not dist.is_initialized():
+        return
+    union = sorted({r for p in dtensors for r in layouts.grid(p.device_mesh).ranks})
+    needed = groups.rank_sets_needed(  # parameters step() refuses need none
+        [(layouts.of(p), p.device_mesh) for g in new_groups for p in g["params"]
+         if g["use_muon"] and is_dtensor(p) and p.dim() >= 2 and param_problem("", p) is None], union)
+    needed = sorted(set(needed) | set(split_rank_sets(new_groups, settings, layouts)))
+    if only_if_missing and all(groups.has_group(s) for s in needed):
+        return
+    groups.create_collectively(needed)
 
 
 # ---------------------------------------------------------------------------- helpers (pure)
@@ -329,7 +402,7 @@ class StepContext:
 
 def qk_params(entries: Sequence[Entry], param_groups: Sequence[Mapping]) -> list[tuple[str, tuple[int, ...], bool, int]]:
     """What QK-clip's static plan needs of every parameter: name, global shape, group kind and index."""
-    return [(e.name, tuple(e.param.shape), e.use_muon, e.group) for e in entries]
+    return [(e.name, e.shape, e.use_muon, e.group) for e in entries]
 
 
 def describe(name: str, p) -> str:
@@ -348,10 +421,45 @@ def ns_cost(group: Mapping, compute_dtype: torch.dtype) -> Callable[[tuple[int, 
     return cost
 
 
+def split_hardware(device: torch.device) -> SplitHardware:
+    """The figures ``ns_split="auto"`` plans with on ``device`` (tests swap in others)."""
+    return hardware_for(device)
+
+
+def split_model(group: Mapping, compute_dtype: torch.dtype, device: torch.device) -> SplitModel | None:
+    """How a Muon group's matrices may be split over ranks (``ns_split``), or None for "never".
+    Weights with row blocks are never split (``_plan_param``): their blocks are orthogonalised
+    apart, each with its own lr factor."""
+    mode = group.get("ns_split", "auto")
+    if mode == "never":
+        return None
+    return SplitModel.of(mode, split_hardware(device), group["ns_steps"], group.get("ns_method", "auto"),
+                         group["ns_coefficients"], compute_dtype)
+
+
+def split_rank_sets(param_groups: Sequence[Mapping], settings: MuonSettings, layouts: Layouts) -> list[tuple[int, ...]]:
+    """Every rank set a split Newton–Schulz of these groups' DTensor matrices may run on
+    (``split_plan.rank_sets``): created with the other process groups, collectively, at
+    construction and in ``add_param_group``."""
+    out: set[tuple[int, ...]] = set()
+    for e in entries_of(param_groups):
+        group, p = param_groups[e.group], e.param
+        if not e.use_muon or group.get(ROW_BLOCKS_KEY) is not None or group.get("normuon_beta2") is not None:
+            continue  # kept whole (``StepContext``: row blocks and NorMuon's row statistics)
+        if not is_dtensor(p) or p.dim() < 2 or param_problem("", p) is not None:
+            continue
+        device = local_view(p).device
+        model = split_model(group, settings.compute_dtype or default_compute_dtype(device), device)
+        out |= rank_sets(e.shape, layouts.of(p, e.transposed), model)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return sorted(s for s in out if 1 < len(s) < world)
+
+
 def blocks_cost(blocks: RowBlocks, matrix_cost: Callable) -> Callable[[tuple[int, ...]], float]:
-    # Newton–Schulz runs per block: the owner's work is the sum over blocks
+    # Newton–Schulz runs per block (of every expert of a 3-D unit): the sum over blocks
     def cost(shape: tuple[int, ...]) -> float:
-        return float(sum(c.count * matrix_cost((c.rows_per_block, shape[-1])) for c in blocks.classes))
+        matrices = math.prod(shape[:-2])
+        return float(matrices * sum(c.count * matrix_cost((c.rows_per_block, shape[-1])) for c in blocks.classes))
 
     return cost
 
@@ -367,11 +475,11 @@ def mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def local_shape_problem(name: str, p, layout: ParamLayout, rank: int) -> str | None:
+def local_shape_problem(name: str, p, layout: ParamLayout, rank: int, transposed: bool = False) -> str | None:
     coord = layout.grid.coordinate(rank)
     if coord is None:
         return None  # param_problem names it
-    want = layout.local_shape(coord)
+    want = view_shape(layout.local_shape(coord), transposed)  # back to the stored orientation
     got = tuple(local_view(p).shape)
     if got != want:
         return (

@@ -9,6 +9,7 @@ from collections.abc import MutableMapping
 
 import torch
 
+from .matrix_view import local_matrix, view_placements, view_shape
 from .parallel.runtime import gather_everything, run_parallel_muon
 from .parallel.stats import PipelineStats
 from .qk_clip.step import ClipStep
@@ -61,27 +62,31 @@ def momentum_buffers(params: list[torch.Tensor], groups, state: MutableMapping) 
     return bufs
 
 
-def row_state_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Zeros of shape ``[..., rows, 1]`` for a parameter ``[..., rows, cols]``; for a DTensor, a
-    DTensor whose local rows are exactly the parameter's (``row_placements``), so that
-    ``state_dict()`` and DCP save, and reshard, it like the momentum."""
+def row_state_like(p: torch.Tensor, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
+    """Zeros of shape ``[..., rows, 1]`` for a parameter read as the matrix ``[..., rows, cols]``
+    (``transposed``: stored ``[..., cols, rows]``, ``matrix_view.py``; v is kept in the matrix's
+    orientation, one value per output row); for a DTensor, a DTensor whose local rows are exactly
+    the matrix view's (``row_placements``), so that ``state_dict()`` and DCP save, and reshard,
+    it like the momentum."""
+    shape = (*view_shape(p.shape, transposed)[:-1], 1)
     if not is_dtensor(p):
-        return torch.zeros((*p.shape[:-1], 1), dtype=dtype, device=p.device)
+        return torch.zeros(shape, dtype=dtype, device=p.device)
     from torch.distributed.tensor import DTensor
 
-    local = local_view(p)
-    shape = (*p.shape[:-1], 1)
+    local = local_matrix(local_view(p), transposed)
     stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    placements = row_placements(view_placements(p.placements, p.dim(), transposed), p.dim())
     return DTensor.from_local(torch.zeros((*local.shape[:-1], 1), dtype=dtype, device=local.device), p.device_mesh,
-                              row_placements(p.placements, p.dim()), run_check=False, shape=shape, stride=stride)
+                              placements, run_check=False, shape=shape, stride=stride)
 
 
-def row_states(params: list[torch.Tensor], groups, state: MutableMapping) -> list[torch.Tensor | None]:
+def row_states(params: list[torch.Tensor], groups, transposed: list[bool],
+               state: MutableMapping) -> list[torch.Tensor | None]:
     """NorMuon's v of each parameter whose group has ``normuon_beta2`` set (created at zero on first
     use), as its local piece; None for the others, whose v, if any, is dropped (the state holds
     ``normuon_v`` exactly when the group has NorMuon on)."""
     out = []
-    for p, group in zip(params, groups):
+    for p, group, t in zip(params, groups, transposed):
         entry = state[p]
         if group.get("normuon_beta2") is None:
             entry.pop(ROW_STATE_KEY, None)
@@ -90,7 +95,7 @@ def row_states(params: list[torch.Tensor], groups, state: MutableMapping) -> lis
         dtype = row_state_dtype(work_dtype(p, group))
         v = entry.get(ROW_STATE_KEY)
         if v is None:
-            v = entry[ROW_STATE_KEY] = row_state_like(p, dtype)
+            v = entry[ROW_STATE_KEY] = row_state_like(p, dtype, t)
         elif v.dtype != dtype:
             v = entry[ROW_STATE_KEY] = v.to(dtype)
         out.append(local_view(v))
@@ -102,9 +107,10 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
     """The momentum on every local piece (one foreach call per momentum and sign), then each
     parameter's stages with this step's hyper-parameters."""
     params, groups = context.muon_params, context.muon_groups
-    bufs = momentum_buffers(params, groups, state)
-    rows = row_states(params, groups, state)
-    grads = [local_view(p.grad) for p in params]
+    views = [e.transposed for e in context.muon]  # [in, out] weights read as [out, in] (matrix_view.py)
+    bufs = [local_matrix(b, t) for b, t in zip(momentum_buffers(params, groups, state), views)]
+    rows = row_states(params, groups, views, state)  # stored as the matrix view's rows already
+    grads = [local_matrix(local_view(p.grad), t) for p, t in zip(params, views)]
     work = [work_dtype(p, g) for p, g in zip(params, groups)]
     signed = list(grads)
     by_momentum: dict[tuple[float, bool], list[int]] = {}
@@ -125,14 +131,14 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
             stage = stages.setdefault(id(group), OwnerStage(_newton_schulz(group, settings), normuon_beta2=beta2))
         lr = group["lr"]
         steps.append(MatrixStep(
-            param=local_view(p), grad=signed[i], buf=bufs[i], momentum=group["momentum"], nesterov=group["nesterov"],
-            lr=lr, adjusted_lr=adjust_lr(lr, p.shape, group["adjust_lr"]), weight_decay=group["weight_decay"],
-            orthogonalize=stage, clip=context.clip_rows(i, clip), row_state=rows[i],
-            cautious=bool(group.get("cautious_wd", False)),
+            param=local_matrix(local_view(p), views[i]), grad=signed[i], buf=bufs[i], momentum=group["momentum"],
+            nesterov=group["nesterov"], lr=lr, adjusted_lr=adjust_lr(lr, context.muon[i].shape, group["adjust_lr"]),
+            weight_decay=group["weight_decay"], orthogonalize=stage, clip=context.clip_rows(i, clip),
+            row_state=rows[i], cautious=bool(group.get("cautious_wd", False)),
         ))
     return steps
 
 
 def _newton_schulz(group, settings: MuonSettings) -> NewtonSchulz:
-    return NewtonSchulz(group["ns_steps"], group["ns_coefficients"], group.get("ns_method", "auto"), settings.eps,
+    return NewtonSchulz(group["ns_steps"], group["ns_coefficients"], group.get("ns_method", "auto"), group["eps"],
                         settings.compute_dtype)

@@ -23,6 +23,7 @@ from typing import Sequence
 __all__ = [
     "assign_owners",
     "assign_owners_among",
+    "assign_owners_grouped",
     "chunk_order",
     "chunked_critical_path",
     "cut_chunks",
@@ -71,13 +72,42 @@ def assign_owners_among(costs: Sequence[float], candidates: Sequence[Sequence[in
     entry is never too high).  O(items x log ranks) for the few candidate lists a
     model has.
     """
+    owners, _ = assign_owners_grouped(costs, candidates, None)
+    return owners
+
+
+def assign_owners_grouped(
+    costs: Sequence[float],
+    candidates: Sequence[Sequence[int] | None],
+    groups: Sequence[Sequence[Sequence[int]] | None] | None,
+    loads: dict[int, float] | None = None,
+) -> tuple[list[int], dict[int, float]]:
+    """LPT over two kinds of items: whole items (``groups[i] is None``: one owner among
+    ``candidates[i]``, as :func:`assign_owners_among`) and split items (``groups[i]`` lists
+    the rank groups that may run it together: every member of the chosen group is charged
+    ``costs[i]``, the time the split item holds each of them).
+
+    Items are taken largest first (ties: lower index); a split item goes to the group whose
+    busiest member is least loaded (ties: the group listed first), a whole item to the
+    least-loaded candidate.  Returns, per item, the owner rank (whole) or the index of the
+    chosen group in ``groups[i]`` (split), and every rank's load.  ``loads``: what ranks carry
+    already (not modified; the result includes it).  With no split items and no loads it is
+    exactly :func:`assign_owners_among`.  Pure and deterministic.
+    """
     _check_costs(costs)
     if len(candidates) != len(costs):
         raise ValueError(f"candidates has {len(candidates)} entries but costs has {len(costs)}; give one per item")
-    loads: dict[int, float] = {}
-    heaps: dict[tuple[int, ...], list[tuple[float, int]]] = {}
+    if groups is not None and len(groups) != len(costs):
+        raise ValueError(f"groups has {len(groups)} entries but costs has {len(costs)}; give one per item")
+    loads = dict(loads or {})
+    heaps: dict[tuple[int, ...], list[tuple[float, int, int]]] = {}
+    group_heaps: dict[tuple, list[tuple[float, int]]] = {}
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        options = groups[i] if groups is not None else None
+        if options is not None:
+            owners[i] = _take_group(options, group_heaps, loads, costs[i], i)
+            continue
         allowed = tuple(candidates[i])
         if not allowed:
             raise ValueError(f"candidates[{i}] is empty: every item needs at least one rank that may own it")
@@ -95,7 +125,32 @@ def assign_owners_among(costs: Sequence[float], candidates: Sequence[Sequence[in
         owners[i] = rank
         loads[rank] = load + costs[i]
         heapq.heapreplace(heap, (loads[rank], pos, rank))
-    return owners
+    return owners, loads
+
+
+def _take_group(options: Sequence[Sequence[int]], heaps: dict, loads: dict[int, float], cost: float, i: int) -> int:
+    """The group (index into ``options``) whose busiest member is least loaded; charge its members.
+
+    One heap per ``options`` object (callers pass the same object for the same choice of
+    groups), entries (busiest member's load, position); loads only grow, so a stale entry is
+    too low, never too high, and is refreshed when it surfaces."""
+    hit = heaps.get(id(options))
+    if hit is None:
+        if not options or any(len(g) == 0 for g in options):
+            raise ValueError(f"groups[{i}] must list at least one non-empty group of ranks")
+        hit = heaps[id(options)] = (options, [(max(loads.get(r, 0) for r in g), pos) for pos, g in enumerate(options)])
+        heapq.heapify(hit[1])
+    heap = hit[1]
+    while True:
+        load, pos = heap[0]
+        now = max(loads.get(r, 0) for r in options[pos])
+        if now == load:
+            break
+        heapq.heapreplace(heap, (now, pos))
+    for r in options[pos]:
+        loads[r] = loads.get(r, 0) + cost
+    heapq.heapreplace(heap, (max(loads[r] for r in options[pos]), pos))
+    return pos
 
 
 def chunk_order(costs: Sequence[float], owners: Sequence[int], num_ranks: int, chunk_size: int) -> list[list[int]]:

@@ -35,10 +35,15 @@ Terms
             ``k`` elements of the wire dtype (its bytes).  The owner assembles it with
             the rows' index, the scatter returns it with the update: no collective of
             its own, and a zero-copy matrix stays a (strided) view of the buffer.
+            Units with row state are never cut (their row statistics need whole rows).
+  cut       a unit split over the k ranks of a group (``ns_split``; ``split_plan.py``):
+            k sub-jobs, each a block of its long side, owned by the group's members,
+            orthogonalised together by the split Newton-Schulz iteration.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -49,6 +54,8 @@ import torch
 from ..distributed.layout import ParamLayout
 from ..distributed.placements import Index, as_indexer
 from .owners import assign_owners_among, cut_chunks, split_range_evenly
+from .split_plan import (Cut, SplitModel, UnitOptions, aligned_groups, always_k, assign, auto_ks, block_offsets,
+                         block_widths, canonical_sets, choose_ks, cut_blocks, cut_dim, set_lengths, sub_shape)
 
 # A unit is cut into expert ranges no costlier than this fraction of the mean load per owner.
 TARGET_UNIT_FRACTION = 0.1
@@ -74,6 +81,7 @@ class PlanParam:
     compute_itemsize: int = 4  # bytes per element of Newton-Schulz's workspace
     state_itemsize: int = 4  # bytes per element of the momentum's arithmetic (the stacked input)
     row_bytes: int = 0  # bytes of per-row state travelling with each row (NorMuon's v); 0: none
+    split: SplitModel | None = None  # how its units may be cut over several ranks (None: never)
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,18 @@ class Owned:
     trash: tuple[bool, ...] = ()  # per dim: the assembled tensor needs one spare slot
     experts: Index | None = None  # global indices of its leading dim (3-D units); None for a matrix
     row_slots: int = 0  # columns of row state after the matrix's padded columns
+    split: SplitOwned | None = None  # a block of a cut unit: orthogonalised with its group
+
+
+@dataclass
+class SplitOwned:
+    """An owned block of a unit cut over a group: the split Newton-Schulz call's arguments."""
+
+    group: object  # ProcessGroup of ``ranks`` (group rank j = ranks[j] owns block j)
+    ranks: tuple[int, ...]
+    widths: tuple[int, ...]  # every block's width, in group-rank order
+    transpose: bool  # cut along rows (a tall unit): the block's transpose is the column block
+    unit: int  # the unit's index in its pattern: every rank runs a chunk's cut units in this order
 
 
 @dataclass
@@ -207,6 +227,8 @@ class StepPlan:
     peak_workspace_bytes: int = 0  # the largest Newton-Schulz workspace of one chunk on this rank
     local_unit_bytes: int = 0  # the largest unit orthogonalised where it is (momentum + workspace)
     gather_all: list[GatherAll] = field(default_factory=list)
+    split_jobs: int = 0  # of ``owned``: blocks of cut units
+    split_bytes: int = 0  # what this rank sends (= receives) in the split iterations' collectives (modelled)
 
     def memory_bound(self, lookahead: int) -> int:
         """Extra bytes a step may hold at once on this rank: the buffers of ``lookahead + 2``
@@ -233,6 +255,14 @@ def ns_workspace(shape: Sequence[int]) -> int:
     return math.prod(shape[:-2]) * (2 * m * n + 2 * m * m)
 
 
+def split_workspace(block: Sequence[int], transpose: bool, k: int) -> int:
+    """Elements of the split iteration's live tensors for one block ``[..., s, w]`` (or its
+    transpose): X, the next X, the Gram matrix (its first one in the wide dtype, with the norm),
+    B, and B's gathered rows."""
+    s, w = (block[-1], block[-2]) if transpose else (block[-2], block[-1])
+    return math.prod(block[:-2]) * (2 * s * w + 3 * s * s + k * -(-s // k) * s + 1)
+
+
 def local_unit_bytes(p: PlanParam, shape: Sequence[int]) -> int:
     """One unit orthogonalised where it is: its stacked momentum update and the workspace."""
     return math.prod(shape) * p.state_itemsize + ns_workspace(shape) * p.compute_itemsize
@@ -253,6 +283,10 @@ class _Job:
     candidates: tuple[int, ...]
     replica: tuple[int, ...] | None  # the replica it serves; None: every replica (split)
     owner: int = -1
+    cut: Cut | None = None  # a block of a unit cut over ``group`` (split_plan.py)
+    group: tuple[int, ...] = ()
+    widths: tuple[int, ...] = ()
+    unit: int = -1  # the cut unit's index in the pattern
 
 
 def _pattern_key(p: PlanParam, split: bool):
@@ -300,7 +334,8 @@ def _units(p: PlanParam, batch: tuple[int, ...], count: int, max_cost: float, ma
     return out
 
 
-def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool) -> list[_Job]:
+def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool,
+                  held: Callable[[], dict[int, float]] = dict) -> list[_Job]:
     """Jobs of one pattern, with owners (LPT among each job's candidates)."""
     lay0 = params[members[0]].layout
     world = lay0.grid.ranks
@@ -341,7 +376,64 @@ def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings:
     fair_bytes = total_bytes / owners
     coarse = build(0.0, fair_bytes)
     fine = build(TARGET_UNIT_FRACTION * total_cost / owners, fair_bytes)
-    return fine if len(fine) > len(coarse) and _busiest(fine) < _busiest(coarse) else coarse
+    jobs = fine if len(fine) > len(coarse) and _busiest(fine) < _busiest(coarse) else coarse
+    return _cut_units(params, jobs, len(world), split, held)
+
+
+def _cut_units(params: Sequence[PlanParam], jobs: list[_Job], world: int, split: bool,
+               held: Callable[[], dict[int, float]] = dict) -> list[_Job]:
+    """Cut units over k ranks where the cost model says it lowers the busiest rank
+    (``split_plan.py``), counting what each rank orthogonalises where it is (``held()``, computed
+    only if the choice is made); the whole units are then owned anew, around the cut ones."""
+    if all(params[j.param].split is None for j in jobs):
+        return jobs
+    units = [_unit_options(params[j.param], j, split) for j in jobs]
+    ks = choose_ks(units, world, held)
+    if ks is None:
+        return jobs
+    owners, _ = assign(units, ks, held())
+    out: list[_Job] = []
+    for n, (job, u, k, owner) in enumerate(zip(jobs, units, ks, owners)):
+        if k == 1:
+            job.owner = owner
+            out.append(job)
+            continue
+        group = u.groups(k)[owner]
+        dim = cut_dim(job.shape)
+        widths = block_widths(set_lengths(params[job.param].layout, job.shape), k)
+        cost = u.member_cost(k)
+        for j, rank in enumerate(group):
+            cut = Cut(dim, k, j)
+            out.append(_Job(job.param, job.batch, job.leading, sub_shape(job.shape, cut, widths[j]), cost, group,
+                            job.replica, rank, cut, group, widths, n))
+    return out
+
+
+def _unit_options(p: PlanParam, job: _Job, split: bool) -> UnitOptions:
+    """The k a unit may be cut into and on which groups (``split_plan.py``)."""
+    u = UnitOptions(job.cost, job.candidates)
+    model, lay = p.split, p.layout
+    if model is None or lay is None or len(job.shape) < 2:
+        return u
+    long = sum(set_lengths(lay, job.shape))
+    cost = functools.partial(model.member_cost, job.shape)
+    if model.mode == "always":
+        k = always_k(job.shape, lay.shard_group_size)
+        if 1 < k <= long:
+            groups = _shard_groups(lay, job.batch) if split else (tuple(sorted(job.candidates)),)
+            u.ks, u.forced, u.member_cost, u.groups = (k,), k, cost, (lambda _k, g=groups: g)
+        return u
+    ks = tuple(k for k in auto_ks(model, p.shape[-2:], len(job.candidates)) if k <= long)
+    if ks:
+        u.ks, u.member_cost = ks, cost
+        u.groups = functools.partial(aligned_groups, tuple(job.candidates))
+    return u
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_groups(layout: ParamLayout, batch: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Every replica's shard holders of one batch coordinate (sorted ranks)."""
+    return tuple(tuple(sorted(_holders_in_replica(layout, batch, rc))) for rc in _replica_coordinates(layout))
 
 
 def _busiest(jobs: Sequence[_Job]) -> float:
@@ -377,6 +469,10 @@ class WorldJob:
     cost: float
     owner: int  # global rank
     split: bool  # one job for every replica (True) or one per replica
+    cut: Cut | None = None  # a block of a unit cut over ``group`` (split_plan.py)
+    group: tuple[int, ...] = ()
+    widths: tuple[int, ...] = ()
+    unit: int = -1
 
 
 def world_jobs(params: Sequence[PlanParam], settings: PlanSettings) -> list[tuple[list[WorldJob], list[list[int]]]]:
@@ -386,11 +482,13 @@ def world_jobs(params: Sequence[PlanParam], settings: PlanSettings) -> list[tupl
     rank.  Returns ``[(jobs, chunks)]`` per pattern, in plan order; parameters that are
     orthogonalised where they are (no communication) are not included.
     """
-    _, _, patterns = _classify(params, settings)
+    local, _, patterns = _classify(params, settings)
+    held = _held_loads(params, local)
     out = []
     for key, members in patterns:
-        jobs, order = _pattern_chunks(params, members, settings, key[-1])
-        out.append(([WorldJob(j.param, j.shape, j.cost, j.owner, key[-1]) for j in jobs], order))
+        jobs, order = _pattern_chunks(params, members, settings, key[-1], held)
+        out.append(([WorldJob(j.param, j.shape, j.cost, j.owner, key[-1], j.cut, j.group, j.widths, j.unit)
+                     for j in jobs], order))
     return out
 
 
@@ -410,10 +508,51 @@ def _classify(params: Sequence[PlanParam], settings: PlanSettings):
     return local, gather_all, sorted(patterns.items(), key=lambda kv: kv[1][0])
 
 
-def _pattern_chunks(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool):
-    jobs = _pattern_jobs(params, members, settings, split)
+def _pattern_chunks(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool,
+                    held: Callable[[], dict[int, float]] = dict):
+    jobs = _pattern_jobs(params, members, settings, split, held)
     chunk_size = settings.chunk_size or len(params[members[0]].layout.grid.ranks)
-    return jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size)
+    return jobs, _cut_units_together(jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size))
+
+
+def _held_loads(params: Sequence[PlanParam], local: Sequence[int]) -> Callable[[], dict[int, float]]:
+    """Every rank's Newton-Schulz cost of the DTensor units it orthogonalises where it is (experts
+    held whole, replicated weights): computed once, when the choice of cuts first needs it (it
+    touches every rank of the world)."""
+    memo: list[dict[int, float]] = []
+
+    def held() -> dict[int, float]:
+        if not memo:
+            loads: dict[int, float] = {}
+            for i in local:
+                lay = params[i].layout
+                if lay is None:
+                    continue  # plain tensors: the same on every rank
+                for r in lay.grid.ranks:
+                    shape = lay.local_shape(lay.grid.coordinate(r))
+                    if math.prod(shape) > 0:
+                        loads[r] = loads.get(r, 0.0) + params[i].cost(shape)
+            memo.append(loads)
+        return memo[0]
+
+    return held
+
+
+def _cut_units_together(jobs: Sequence[_Job], order: list[list[int]]) -> list[list[int]]:
+    """Every block of a cut unit in one chunk (the earliest holding one of them): its owners
+    orthogonalise it together."""
+    home: dict[int, int] = {}
+    for c, items in enumerate(order):
+        for k in items:
+            if jobs[k].unit >= 0:
+                home.setdefault(jobs[k].unit, c)
+    if not home:
+        return order
+    out: list[list[int]] = [[] for _ in order]
+    for c, items in enumerate(order):
+        for k in items:
+            out[c if jobs[k].unit < 0 else home[jobs[k].unit]].append(k)
+    return [items for items in out if items]
 
 
 # ----------------------------------------------------------------------------
@@ -434,6 +573,7 @@ def build_plan(
     communicates.
     """
     local_ix, gather_ix, patterns = _classify(params, settings)
+    held = _held_loads(params, local_ix)
     plan = StepPlan()
     for i in local_ix:
         shape = _local_shape(params[i], rank)
@@ -447,20 +587,30 @@ def build_plan(
         plan.load += params[i].cost(params[i].shape)
     for pattern_index, (key, members) in enumerate(patterns):
         split = key[-1]
-        jobs, order = _pattern_chunks(params, members, settings, split)
+        jobs, order = _pattern_chunks(params, members, settings, split, held)
         plan.jobs += len(jobs)
         view = _RankView(params, rank, split, resolve_group, params[members[0]])
         for chunk_jobs in order:
             chunk = view.chunk(pattern_index, [jobs[k] for k in chunk_jobs])
             plan.chunks.append(chunk)
             plan.owned += len(chunk.owned)
-            plan.load += sum(params[o.param].cost(o.shape) for o in chunk.owned)
+            plan.load += sum(params[o.param].cost(o.shape) for o in chunk.owned if o.split is None)
+            for j in (jobs[k] for k in chunk_jobs):
+                if j.cut is not None and j.owner == rank:  # a block of a cut unit: its modelled time
+                    plan.load += j.cost
+                    plan.split_jobs += 1
+                    plan.split_bytes += params[j.param].split.cost(_unit_shape(j), j.cut.k).bytes_per_rank
             sent, received, buffers, workspace = _traffic(chunk, params)
             plan.bytes_sent += sent
             plan.bytes_received += received
             plan.peak_chunk_bytes = max(plan.peak_chunk_bytes, buffers)
             plan.peak_workspace_bytes = max(plan.peak_workspace_bytes, workspace)
     return plan
+
+
+def _unit_shape(job) -> tuple[int, ...]:
+    """The whole unit a block of a cut unit belongs to."""
+    return sub_shape(job.shape, job.cut, sum(job.widths))
 
 
 def _gather_all(params: Sequence[PlanParam], i: int, rank: int, resolve_group) -> GatherAll:
@@ -510,7 +660,9 @@ def _traffic(chunk: Chunk, params: Sequence[PlanParam]) -> tuple[int, int, int, 
     calls: dict[object, int] = {}  # batched Newton-Schulz calls (a zero-copy unit is its own)
     for k, o in enumerate(chunk.owned):
         key = ("batch", o.batch) if o.batch >= 0 else k
-        calls[key] = calls.get(key, 0) + ns_workspace(o.shape) * params[o.param].compute_itemsize
+        space = (ns_workspace(o.shape) if o.split is None
+                 else split_workspace(o.shape, o.split.transpose, len(o.split.ranks)))
+        calls[key] = calls.get(key, 0) + space * params[o.param].compute_itemsize
     return sent * item, received * item, buffers * item, max(calls.values(), default=0)
 
 
@@ -533,8 +685,10 @@ class _RankView:
         self.replica_group = (resolve_group(replica_ranks, first.mesh, layout.replica_dims)
                               if split and len(replica_ranks) > 1 else None)
         self.layout = layout
+        self.resolve_group = resolve_group
         self._members_cache: dict[int, tuple] = {}  # id(layout) -> (layout, indices per member)
         self._padded_cache: dict[tuple, tuple[int, ...]] = {}
+        self._cut_cache: dict[tuple, tuple] = {}  # (id(layout), cut) -> (positions per member, my local slice)
 
     # -- per-parameter facts -------------------------------------------------
 
@@ -552,6 +706,44 @@ class _RankView:
         return lay.batch_coordinate(self.coord) == job.batch and (
             job.replica is None or lay.replica_coordinate(self.coord) == job.replica)
 
+    def unit_members(self, job: _Job) -> list[tuple[Index, Index]]:
+        """Each member's indices along the unit's last two dims, as positions in the unit: its
+        global indices for a whole matrix; for a block of a cut unit, along the cut dim, where
+        its slice of the block sits (``split_plan.cut_blocks``)."""
+        if job.cut is None:
+            return [ix[-2:] for ix in self.members(job.param)]
+        return self._cut(job)[0]
+
+    def _cut(self, job: _Job) -> tuple:
+        lay = self.params[job.param].layout
+        key = (id(lay), job.cut)
+        hit = self._cut_cache.get(key)
+        if hit is None:
+            members = self.members(job.param)
+            d, k, j = job.cut.dim, job.cut.k, job.cut.j
+            sets_key = (id(lay), d)
+            if sets_key not in self._cut_cache:
+                self._cut_cache[sets_key] = canonical_sets([ix[d] for ix in members])
+            sets, lengths = self._cut_cache[sets_key]
+            row = cut_blocks(lengths, k)[j]
+            offsets = block_offsets(row)
+            positions = []
+            for ix, t in zip(members, sets):
+                at = slice(offsets[t], offsets[t] + row[t].stop - row[t].start)
+                positions.append((ix[-2], at) if d == -1 else (at, ix[-1]))
+            hit = self._cut_cache[key] = (positions, row[sets[self.member]])
+        return hit
+
+    def region(self, job: _Job) -> Region:
+        """This rank's part of a job in its local tensors: the expert range, and for a block of a
+        cut unit its local slice along the cut dim (basic slices: views)."""
+        if job.cut is None:
+            return _region(job.leading)
+        ndim = len(self.params[job.param].shape)
+        head = (job.leading,) if job.leading is not None else (slice(None),) * (ndim - 2)
+        local = self._cut(job)[1]
+        return (*head, local) if job.cut.dim == -2 else (*head, slice(None), local)
+
     def slots(self, i: int) -> int:
         p = self.params[i]
         return row_slots(p.row_bytes, p.wire_dtype)
@@ -561,17 +753,17 @@ class _RankView:
         row state's columns."""
         lay = self.params[job.param].layout
         k = self.slots(job.param)
-        key = (id(lay), job.shape, k)
+        key = (id(lay), job.shape, job.cut, k)
         hit = self._padded_cache.get(key)
         if hit is None:
-            members = self.members(job.param)
-            dims = [max(_length(ix[d]) for ix in members) for d in (-2, -1)]
+            members = self.unit_members(job)
+            dims = [max(_length(ix[d]) for ix in members) for d in (0, 1)]
             hit = self._padded_cache[key] = (*job.shape[:-2], dims[0], dims[1] + k)
         return hit
 
     def mine(self, job: _Job) -> tuple[int, ...]:
-        ix = self.members(job.param)[self.member]
-        return (*job.shape[:-2], _length(ix[-2]), _length(ix[-1]))
+        ix = self.unit_members(job)[self.member]
+        return (*job.shape[:-2], _length(ix[0]), _length(ix[1]))
 
     # -- one chunk -----------------------------------------------------------
 
@@ -593,7 +785,7 @@ class _RankView:
         for k, owned in enumerate(by_member):
             for job in owned:
                 pad = self.padded(job)
-                chunk.packs.append(Pack(job.param, _region(job.leading), offset, pad, self.mine(job),
+                chunk.packs.append(Pack(job.param, self.region(job), offset, pad, self.mine(job),
                                         self.slots(job.param)))
                 offset += math.prod(pad)
         chunk.send_splits = segments
@@ -605,10 +797,13 @@ class _RankView:
         for job in mine:
             pad = self.padded(job)
             chunk.owned.append(self._owned(job, offset, pad, single=len(mine) == 1))
+            if job.cut is not None:
+                chunk.owned[-1].split = SplitOwned(self._split_group(job), job.group, job.widths,
+                                                   job.cut.dim == -2, job.unit)
             offset += math.prod(pad)
         groups: dict[tuple, list[int]] = {}
         for k, o in enumerate(chunk.owned):
-            if not o.zero_copy:
+            if not o.zero_copy and o.split is None:
                 groups.setdefault((self.params[o.param].ns_key, o.shape, o.padded), []).append(k)
         for ks in groups.values():
             if len(ks) > 1:
@@ -624,7 +819,7 @@ class _RankView:
         for owned in by_member:
             for job in owned:
                 pad = self.padded(job)
-                chunk.updates.append(Update(job.param, _region(job.leading), "scatter", base, pad, self.mine(job),
+                chunk.updates.append(Update(job.param, self.region(job), "scatter", base, pad, self.mine(job),
                                             self.slots(job.param)))
                 base += math.prod(pad)
 
@@ -633,18 +828,29 @@ class _RankView:
             self._exchange(chunk, jobs)
         return chunk
 
+    def _split_group(self, job: _Job):
+        try:
+            return self.resolve_group(job.group, None, ())
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"{err} Here: ns_split cuts '{self.params[job.param].name}' over that group, which is made when the "
+                "optimizer is built (or in add_param_group) for the ns_split its param group has then; set "
+                "ns_split there rather than on a live optimizer."
+            ) from None
+
     def _owned(self, job: _Job, offset: int, pad: tuple[int, ...], single: bool) -> Owned:
         members = self.members(job.param)
+        positions = self.unit_members(job)
         lead = len(job.shape) - 2
         slots = self.slots(job.param)
         matrix_pad = (*pad[:-1], pad[-1] - slots)  # the block without its row-state columns
         write, read, trash, cpu_rows = [], [], [], []
-        for d, size in zip((-2, -1), job.shape[-2:]):
-            per = [ix[d] for ix in members]
+        for d, size in zip((0, 1), job.shape[-2:]):
+            per = [ix[d] for ix in positions]
             if all(isinstance(ix, slice) and ix == slice(0, size) for ix in per):
                 write.append(None), read.append(None), trash.append(False)
                 continue
-            width = matrix_pad[d]
+            width = matrix_pad[d - 2]
             rows = torch.full((len(per), width), size, dtype=torch.long)
             for k, ix in enumerate(per):
                 idx = torch.arange(ix.start, ix.stop) if isinstance(ix, slice) else ix
@@ -700,7 +906,7 @@ class _RankView:
                 continue
             for job in per_replica.get(r, []):
                 pad = self.padded(job)
-                chunk.updates.append(Update(job.param, _region(job.leading), "exchange",
+                chunk.updates.append(Update(job.param, self.region(job), "exchange",
                                             k * chunk.exchange_length + offsets[(r, id(job))], pad, self.mine(job),
                                             self.slots(job.param)))
 

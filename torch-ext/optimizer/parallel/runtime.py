@@ -11,7 +11,9 @@ bottom below:
                    delivers the pieces to their owners, which assemble whole matrices with one
                    index kernel each (none at all where the pieces arrive as the matrix's rows);
   2. orthogonalize the owner runs the rule's owner stage (``step.orthogonalize``), one batched
-                   call per shape;
+                   call per shape; a block of a unit cut over k ranks (``ns_split``) runs the
+                   split stage (``step.orthogonalize_split``) with its group's other owners,
+                   every rank taking a chunk's cut units in one order (the unit's index);
   3. scatter       one all_to_all_single returns to every rank its piece of the update; when
                    the matrix was split over replicas (HSDP, replicated DTensors), one all_gather
                    on the replica group then hands every other replica the pieces this
@@ -68,6 +70,8 @@ class Stages(Protocol):
     def row_state_into(self, out: torch.Tensor, region: tuple) -> None: ...
 
     def orthogonalize(self, x: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def orthogonalize_split(self, x: torch.Tensor, widths: Sequence[int], group) -> torch.Tensor: ...
 
     def apply_update(self, region: tuple, update: torch.Tensor, rows: torch.Tensor | None) -> None: ...
 
@@ -272,6 +276,16 @@ def orthogonalize_owned(flight: _Flight, fulls: list[torch.Tensor], steps: Seque
         chunk = flight.chunk
         out: list[torch.Tensor | None] = [None] * len(fulls)
         rows_out: list[torch.Tensor | None] = [None] * len(fulls)
+        # Blocks of cut units first (their group's other owners wait on them), in the unit order
+        # every rank shares: each is a sequence of blocking collectives on its group.  (Units with
+        # row state are never cut: their row statistics need whole rows.)
+        for k in sorted((k for k, o in enumerate(chunk.owned) if o.split is not None),
+                        key=lambda k: chunk.owned[k].split.unit):
+            o, full = chunk.owned[k], fulls[k]
+            x = full.mT if o.split.transpose else full  # short side first
+            y = steps[o.param].orthogonalize_split(x, o.split.widths, o.split.group)
+            out[k] = (y.mT if o.split.transpose else y).to(full.dtype)
+            stats.split_units += 1
         for b, batch, row_batch in flight.fulls:
             members = chunk.batches[b]
             o = chunk.owned[members[0]]
@@ -373,7 +387,7 @@ def finish_update(flight: _Flight, steps: Sequence[Stages], stats: PipelineStats
 
 def _scale_rows(updated: Sequence[Stages], stats: PipelineStats) -> None:
     with stats.time("qk_clip"):
-        for s in updated:
+        for s in {id(s): s for s in updated}.values():  # once per parameter (a cut unit's blocks arrive apart)
             if s.scales_rows:
                 s.scale_rows()
 
@@ -464,6 +478,7 @@ def run_parallel_muon(plan: StepPlan, steps: Sequence[Stages], *, lookahead: int
     stats.owned += plan.owned + len(plan.local)
     stats.bytes_sent += plan.bytes_sent
     stats.bytes_received += plan.bytes_received
+    stats.split_bytes += plan.split_bytes
     return stats
 
 

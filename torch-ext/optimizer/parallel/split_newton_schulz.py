@@ -132,6 +132,7 @@ __all__ = [
     "choose_split_ranks",
     "column_blocks",
     "hardware_for",
+    "row_sums_of_squares",
     "split_critical_path",
     "split_ns_cost",
     "split_zeropower_via_newtonschulz",
@@ -580,3 +581,27 @@ def _b_rows(A: Tensor, b: float, c: float, k: int, rank: int, group) -> Tensor:
     if A.ndim == 2:
         return gathered.view(k * p, m)[:m]
     return gathered.movedim(0, -3).reshape(*lead, k * p, m)[..., :m, :]
+
+
+def row_sums_of_squares(block: Tensor, group: dist.ProcessGroup | None, rows_whole: bool) -> tuple[Tensor, Tensor]:
+    """For a post-processing that needs whole rows of the orthogonalised matrix (NorMuon's per-row
+    ``mean(O*O, dim=-1)`` and its per-matrix Frobenius rescale) when O is split over ``group``.
+
+    ``block``: this rank's block of O in the *parameter's* orientation ``[..., r, c]``.
+    ``rows_whole``: the block holds whole rows (a tall matrix cut along its rows): the row sums
+    are local, and only the squared Frobenius norm needs one all-reduce of one number per matrix.
+    Otherwise (a wide matrix cut along its columns, every member holding every row) the members'
+    row sums add up: one all-reduce of ``[..., r]`` numbers, and the norm follows from them.
+    Returns (sum over the whole matrix's columns of each row's squares ``[..., r]``, squared
+    Frobenius norm ``[...]``), in fp32 (or wider), the same on every member. Collective on
+    ``group``; no host synchronisation."""
+    k, _ = _group_size_rank(group)
+    sums = torch.linalg.vector_norm(block, dim=-1, dtype=_wide(block.dtype, block.dtype)).square()
+    if rows_whole:
+        total = sums.sum(-1)
+        if k > 1:
+            dist.all_reduce(total, group=group)
+        return sums, total
+    if k > 1:
+        dist.all_reduce(sums, group=group)
+    return sums, sums.sum(-1)

@@ -27,6 +27,8 @@ class PipelineStats:
         self.chunks = 0
         self.all_to_alls = 0
         self.all_gathers = 0
+        self.split_units = 0  # blocks of cut units this rank orthogonalised with their group (ns_split)
+        self.split_bytes = 0  # what this rank sent in their collectives (modelled; = received)
 
     @property
     def seconds(self) -> dict[str, float]:

@@ -26,8 +26,8 @@ ROLES = ("q", "k", "qkv")
 
 _SEPARATE_Q = ("q_proj", "wq")
 _SEPARATE_K = ("k_proj", "wk")
-_MLA_Q = ("wq", "wq_b")
-_MLA_K = ("wkv_b",)
+_MLA_Q = ("wq", "wq_b", "q_proj", "q_b_proj")  # torchtitan deepseek_v3; Hugging Face DeepSeek-V2/V3
+_MLA_K = ("wkv_b", "kv_b_proj")
 
 
 def layer_sort_key(layer: LayerKey) -> tuple:
@@ -48,7 +48,8 @@ class QKClipConfig:
       matched by ``qkv_patterns`` (default ``wqkv``, ``qkv_proj``, ``query_key_value``); may be
       combined with separate weights in other layers.  Value rows are untouched.
     * MLA: ``mla=MLAHeads(qk_nope_head_dim, qk_rope_head_dim, v_head_dim)``; the query weight is
-      ``wq`` or ``wq_b`` and the key weight ``wkv_b`` (torchtitan deepseek_v3 names, the defaults
+      ``wq``/``wq_b`` (``q_proj``/``q_b_proj`` in Hugging Face's DeepSeek-V2/V3) and the key weight
+      ``wkv_b`` (``kv_b_proj``) (torchtitan deepseek_v3 and Hugging Face names, the defaults
       in this mode).  q_nope and k_nope rows get ``sqrt(gamma)``, q_pe rows ``gamma``, value rows
       and ``wkv_a`` (the shared rotary key) are untouched (Kimi K2's MuonClip).
 

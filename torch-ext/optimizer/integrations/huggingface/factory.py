@@ -82,13 +82,6 @@ def build_muon(
     layers = {role[0] for g in groups if g["use_muon"] for n in g["param_names"]
               for role in [classify_qk_param(n, qk_clip)] if role is not None}
     opt = Muon(groups, qk_clip=qk_clip, **muon_kwargs)  # checks the q/k weights, their pairs and head counts
-    if not hasattr(opt, "set_qk_logits_source"):
-        raise RuntimeError(
-            "qk_clip under a training loop that calls optimizer.step() without qk_logits (transformers' Trainer, "
-            "accelerate) needs Muon.set_qk_logits_source, which this version of optimizer.Muon does not have; "
-            "without it QK-clip would be silently off. Call step(qk_logits=recorder()) yourself with a "
-            "MaxLogitRecorder, or update the optimizer."
-        )
     recorder = MaxLogitRecorder(model, layers=layers, every=qk_clip_every, compute_dtype=record_dtype)
     opt.set_qk_logits_source(recorder)
     opt.qk_logits_recorder = recorder

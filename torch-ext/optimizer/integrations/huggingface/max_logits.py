@@ -179,7 +179,31 @@ class MaxLogitRecorder:
         self._tp = 1 if tp_group is None else dist.get_world_size(tp_group)
         self.compute_dtype = compute_dtype
         self.chunk_size = chunk_size
-        wanted = None if layers is None else set(layers)
+        by_layer = self._attention_by_layer(model, None if layers is None else set(layers))
+        self.layers = sorted(by_layer)
+        self._heads = {layer: query_heads(m) // self._tp for layer, (_, m) in by_layer.items()}
+        self._device = {}
+        for layer, (_, m) in by_layer.items():
+            p = next(m.parameters(), None)
+            self._device[layer] = torch.device("cpu") if p is None else (p.to_local() if is_dtensor(p) else p).device
+        self._modules = [m for _, m in by_layer.values()]
+        self._namespaces = []
+        ref, token = weakref.ref(self), object()
+        for layer, (fqn, m) in by_layer.items():
+            _ACTIVE.setdefault(id(m), []).append((ref, layer, fqn, token))
+            ns = _namespace(m)
+            if not any(ns is seen for seen in self._namespaces):
+                self._namespaces.append(ns)
+                _patch(ns)
+        self._step = 0
+        self._local: dict = {}
+        self._forwards = 0
+        # a recorder dropped without remove() unhooks itself when collected
+        self._finalizer = weakref.finalize(self, _release, [id(m) for m in self._modules], list(self._namespaces),
+                                           token)
+
+    def _attention_by_layer(self, model: nn.Module, wanted: set | None) -> dict:
+        """``{layer: (fqn, attention module)}`` of the layers to record; every problem in one error."""
         found = [(fqn, layer, m) for fqn, layer, m in attention_modules(model) if wanted is None or layer in wanted]
         problems = []
         by_layer: dict = {}
@@ -207,27 +231,7 @@ class MaxLogitRecorder:
         if problems:
             raise ValueError("MaxLogitRecorder: " + "; ".join(problems)
                              + ". Pass qk_logits to step() yourself, or a logits source of your own.")
-        self.layers = sorted(by_layer)
-        self._heads = {layer: query_heads(m) // self._tp for layer, (_, m) in by_layer.items()}
-        self._device = {}
-        for layer, (_, m) in by_layer.items():
-            p = next(m.parameters(), None)
-            self._device[layer] = torch.device("cpu") if p is None else (p.to_local() if is_dtensor(p) else p).device
-        self._modules = [m for _, m in by_layer.values()]
-        self._namespaces = []
-        ref, token = weakref.ref(self), object()
-        for layer, (fqn, m) in by_layer.items():
-            _ACTIVE.setdefault(id(m), []).append((ref, layer, fqn, token))
-            ns = _namespace(m)
-            if not any(ns is seen for seen in self._namespaces):
-                self._namespaces.append(ns)
-                _patch(ns)
-        self._step = 0
-        self._local: dict = {}
-        self._forwards = 0
-        # a recorder dropped without remove() unhooks itself when collected
-        self._finalizer = weakref.finalize(self, _release, [id(m) for m in self._modules], list(self._namespaces),
-                                           token)
+        return by_layer
 
     # ------------------------------------------------------------------ recording
 

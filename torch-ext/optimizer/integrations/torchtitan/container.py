@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ...muon import Muon
+from ...param_groups import MOE_ROUTER_PATTERN
 from ...qk_clip import QKClipConfig
 from ...row_blocks import ROW_BLOCKS_KEY, SplitQKV
 from ...tensors import is_dtensor
@@ -27,11 +28,12 @@ from .layouts import AttentionLayout, TorchtitanQKRoles, attention_layouts, chec
 QKLogitsFn = Callable[[list[nn.Module]], Mapping[int, Tensor] | None]
 
 # torchtitan 0.3 FQNs that belong on AdamW: embeddings (tok_embeddings), the output head
-# (lm_head; "output" in older releases), MoE router gates (a [num_experts, dim] classifier, like a
-# head), norms (attention_norm, ffn_norm, q_norm, k_norm, kv_norm, norm) and biases.
+# (lm_head; "output" in older releases), MoE routers (torchtitan's router.gate; the one router
+# policy of optimizer.param_groups, shared with the Hugging Face grouping), norms (attention_norm,
+# ffn_norm, q_norm, k_norm, kv_norm, norm) and biases.
 ADAMW_PATTERN = (
     r"(^|\.)(tok_embeddings|embed_tokens|lm_head|output)\.weight$"
-    r"|(^|\.)router\.gate\.weight$"
+    rf"|{MOE_ROUTER_PATTERN}"
     r"|norm\.weight$"
     r"|\.bias$"
 )
@@ -173,10 +175,10 @@ class MuonOptimizersContainer(OptimizersContainer):
         (fused wqkv and MLA head sizes are always read from them)."""
 
         qk_clip_q_patterns: tuple[str, ...] | None = None
-        """Name components of query weights; None: ("wq", "q_proj"), or ("wq", "wq_b") for MLA."""
+        """Name components of query weights; None: QKClipConfig's defaults (("q_proj", "wq"); for MLA also "wq_b", "q_b_proj")."""
 
         qk_clip_k_patterns: tuple[str, ...] | None = None
-        """Name components of key weights; None: ("wk", "k_proj"), or ("wkv_b",) for MLA."""
+        """Name components of key weights; None: QKClipConfig's defaults (("k_proj", "wk"); for MLA "wkv_b", "kv_b_proj")."""
 
         qk_logits_fn: str | None = None
         """"package.module:function" called as fn(model_parts) before each step; returns

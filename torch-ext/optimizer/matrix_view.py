@@ -1,0 +1,77 @@
+"""How Muon reads a parameter as a matrix: ``[..., out, in]``, as ``nn.Linear`` stores it, or transposed.
+
+Newton–Schulz does not care which way round a matrix is stored (it is transpose-equivariant),
+but everything that reads rows does: the learning-rate adjustment (``sqrt(max(1, out/in))``),
+per-row statistics (NorMuon), QK-clip's head rows and row blocks.  Hugging Face's GPT-2 stores
+its ``Conv1D`` weights ``[in, out]``, and some MoE experts ``[E, in, out]``; a Muon group marks
+them with ``"muon_transposed"`` (``True`` for every parameter of the group, or ``{param_name:
+True}``), and the optimizer then works on the transposed view of the parameter, its gradient and
+its state everywhere, so that such a weight is updated exactly as its ``nn.Linear`` twin.
+
+For a DTensor the view is the DTensor's own transpose: the last two tensor dims swap, and so do
+the dims its ``Shard`` / ``_StridedShard`` placements name (the local shard is the local
+tensor's transpose).  The momentum stays stored as the parameter is, so checkpoints do not
+change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torch import Tensor
+from torch.distributed.tensor.placement_types import Placement, Shard
+
+from .distributed.placements import is_strided_shard
+
+TRANSPOSED_KEY = "muon_transposed"
+
+
+def transposed_for(group_value, name: str) -> bool:
+    """Whether parameter ``name`` is stored transposed, from a group's ``muon_transposed`` value."""
+    if isinstance(group_value, Mapping):
+        return bool(group_value.get(name, False))
+    return bool(group_value)
+
+
+def check_transposed(group_value, names: Sequence[str], where: str) -> None:
+    """``None``/a bool for every parameter, or ``{param_name: bool}`` naming only the group's parameters."""
+    if group_value is None or isinstance(group_value, bool):
+        return
+    if not isinstance(group_value, Mapping):
+        raise ValueError(f"{where}: {TRANSPOSED_KEY} must be True/False or {{param_name: True}}, got {group_value!r}")
+    unknown = [k for k in group_value if k not in set(names)]
+    if unknown:
+        raise ValueError(f"{where}: {TRANSPOSED_KEY} names {unknown}, which are not parameters of this group")
+    bad = {k: v for k, v in group_value.items() if not isinstance(v, bool)}
+    if bad:
+        raise ValueError(f"{where}: {TRANSPOSED_KEY} values must be True or False, got {bad}")
+
+
+def view_shape(shape: Sequence[int], transposed: bool) -> tuple[int, ...]:
+    shape = tuple(shape)
+    return (*shape[:-2], shape[-1], shape[-2]) if transposed and len(shape) >= 2 else shape
+
+
+def view_placements(placements: Sequence[Placement], ndim: int, transposed: bool) -> tuple[Placement, ...]:
+    """Placements of the transposed DTensor: a shard of dim -1 shards dim -2 of the view and back."""
+    if not transposed:
+        return tuple(placements)
+
+    def swap(dim: int) -> int:
+        dim %= ndim
+        return {ndim - 1: ndim - 2, ndim - 2: ndim - 1}.get(dim, dim)
+
+    out = []
+    for p in placements:
+        if is_strided_shard(p):
+            out.append(type(p)(swap(p.dim), split_factor=p.split_factor))
+        elif isinstance(p, Shard):
+            out.append(Shard(swap(p.dim)))
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def local_matrix(t: Tensor, transposed: bool) -> Tensor:
+    """A local tensor as Muon reads it (a view: in-place updates reach the stored tensor)."""
+    return t.mT if transposed else t

@@ -1,0 +1,372 @@
+"""Splitting one unit's Newton–Schulz over k ranks in the step plan (pure: numbers and index math).
+
+One owner per unit is ideal while there are many more units than ranks.  At 1,024 ranks there
+are not: Llama-3-8B has 224 matrices, and Llama-3-70B's ``[28672, 8192]`` alone is 3.4x a rank's
+ideal share.  :mod:`.split_newton_schulz` runs Newton–Schulz on a matrix whose column blocks sit
+on k ranks; this module decides which units are cut, into how many blocks, which ranks own them,
+and where every member's piece of every block lies.
+
+**Blocks.**  A unit ``[..., M, N]`` is cut along its long side (``N`` for a wide or square matrix;
+``M`` for a tall one, whose transpose is then split by columns), into k sub-jobs, each a unit
+``[..., M, w_j]`` (or ``[..., w_j, N]``) like any other: holders send each block's owner their
+piece of that block in the chunk's all-to-all, owners assemble it with the plan's index kernels,
+and the update blocks come back the same way.  Which indices form block j: every member of the
+shard group holds a set of indices along the cut dim (all of them when that dim is not sharded;
+its shard when it is), and block j takes one contiguous slice of every distinct set
+(:func:`cut_blocks`).  So every member sends every block owner 1/k of its piece: the uniform
+padded buffers of the plan apply unchanged and nothing is shipped twice, even for a tall
+``Shard(0)`` matrix cut along its sharded rows (contiguous row ranges would leave most members
+with nothing for most blocks, and the padding would ship k times the matrix).  Newton–Schulz
+commutes with permuting columns, and the split iteration is column-block-wise, so which columns
+form a block does not matter; the blocks' widths differ by at most one.
+
+**Groups.**  The k owners of a cut unit are the members of one process group: for ``"auto"`` an
+aligned block of k consecutive ranks of the sorted candidates (the shard group, or the replica x
+shard holders when the unit is split over replicas), k a power of two up to
+:data:`SPLIT_MAX_RANKS` (one NVLink node); for ``"always"`` a whole shard group.  Group rank j
+(sorted global ranks, as ``new_group`` orders them) owns block j.  The groups are created at
+construction (:func:`rank_sets`), only for the k that :func:`auto_ks` allows for the shape.
+
+**Cost and choice.**  Every member of a cut unit is busy for the modelled time of the split
+iteration (FLOPs, bytes and collective latencies, :func:`~.split_newton_schulz.split_ns_cost`),
+counted in FLOP-equivalents (time x the hardware's rate) so that it compares with whole units'
+FLOPs.  A pattern is considered when one of its units costs more than :data:`TRIGGER` times a
+rank's ideal share (fewer units than ranks, or one dominant unit); then, starting from whole
+units, a class of similar units (within :data:`CLASS_BAND` of the class's costliest) has its k
+doubled (to the next allowed k that is modelled faster) when that lowers the busiest rank of the
+resulting assignment by at least :data:`MIN_GAIN`: the costliest class that pays, else the first
+pair of classes that pays together (cutting the largest units further may only pay once the
+next ones are cut too), repeatedly, until none does.  The busiest rank counts what each rank
+orthogonalises where it is (experts held whole): no cut can move that work.  The assignment (:func:`assign`) is LPT
+over whole and cut units together: a cut unit goes to the group whose busiest member is least
+loaded.  Small units stay whole: splitting them is modelled slower, or does not lower the
+busiest rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from ..distributed.placements import Index
+from .owners import assign_owners_grouped, split_range_evenly
+from .split_newton_schulz import SplitCost, SplitHardware, split_ns_cost
+
+# Largest k for "auto": the GPUs of one NVLink node (CUDA_NVLINK models a group inside one).
+SPLIT_MAX_RANKS = 8
+# A pattern is considered for cutting when one unit costs more than this share of a rank's ideal load.
+TRIGGER = 0.5
+# A doubling of k is kept only if it lowers the busiest rank by at least this fraction.
+MIN_GAIN = 0.02
+# Units within this factor of the costliest are cut together (same-shape classes).
+CLASS_BAND = 0.9
+NS_SPLIT_MODES = ("auto", "never", "always")
+
+
+# ----------------------------------------------------------------------------
+# The cost model of one parameter
+# ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8192)
+def _cost(shape: tuple[int, ...], k: int, ns_steps: int, method: str, coefficients, dtype: torch.dtype,
+          hardware: SplitHardware) -> SplitCost:
+    return split_ns_cost(shape, k, ns_steps, method, dtype, coefficients, "auto", hardware)
+
+
+def _hashable(coefficients):
+    """A table name as it is; one triple, or one triple per step, as nested tuples of floats."""
+    if isinstance(coefficients, str):
+        return coefficients
+    items = list(coefficients)
+    if items and not isinstance(items[0], (tuple, list)):  # one (a, b, c) for every step
+        return tuple(float(c) for c in items)
+    return tuple(tuple(float(c) for c in t) for t in items)
+
+
+@dataclass(frozen=True)
+class SplitModel:
+    """How a parameter's units may be split: the mode and the split iteration's cost model."""
+
+    mode: str  # "auto" | "always"
+    hardware: SplitHardware
+    ns_steps: int
+    method: str
+    coefficients: object  # a table name or a tuple of triples
+    dtype: torch.dtype  # Newton–Schulz's compute dtype
+    max_ranks: int = SPLIT_MAX_RANKS
+
+    @staticmethod
+    def of(mode: str, hardware: SplitHardware, ns_steps: int, method: str, coefficients, dtype: torch.dtype,
+           max_ranks: int = SPLIT_MAX_RANKS) -> "SplitModel":
+        return SplitModel(mode, hardware, ns_steps, method, _hashable(coefficients), dtype, max_ranks)
+
+    def cost(self, shape: Sequence[int], k: int) -> SplitCost:
+        return _cost(tuple(int(d) for d in shape), int(k), self.ns_steps, self.method, self.coefficients,
+                     self.dtype, self.hardware)
+
+    def member_cost(self, shape: Sequence[int], k: int) -> float:
+        """FLOP-equivalents that each of the k members is busy with the unit: its modelled time x rate."""
+        return self.cost(shape, k).time_s * self.hardware.flops(self.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Geometry: which indices form each block
+# ----------------------------------------------------------------------------
+
+
+class Cut(NamedTuple):
+    """Sub-job ``j`` of a unit cut into ``k`` blocks along tensor dim ``dim`` (negative: -1 or -2)."""
+
+    dim: int
+    k: int
+    j: int
+
+
+def cut_dim(shape: Sequence[int]) -> int:
+    """The long side: -1 (columns) for a wide or square matrix, -2 (rows) for a tall one."""
+    return -1 if shape[-1] >= shape[-2] else -2
+
+
+def _length(ix: Index) -> int:
+    return max(0, ix.stop - ix.start) if isinstance(ix, slice) else int(ix.numel())
+
+
+def _first(ix: Index) -> int:
+    if isinstance(ix, slice):
+        return ix.start
+    return int(ix.min()) if ix.numel() else -1
+
+
+def _key(ix: Index):
+    if isinstance(ix, slice):
+        return ("slice", ix.start, ix.stop) if ix.stop > ix.start else ("empty",)
+    return ("index", tuple(ix.tolist())) if ix.numel() else ("empty",)
+
+
+def canonical_sets(indices: Sequence[Index]) -> tuple[list[int], list[int]]:
+    """The distinct index sets among members' indices along one dim, ordered by their smallest
+    index (so every shard group of a layout lists them alike): each member's set number and each
+    set's length.  Members holding nothing along the dim share one empty set, listed last."""
+    keys = [_key(ix) for ix in indices]
+    first: dict = {}
+    for key, ix in zip(keys, indices):
+        if key not in first:
+            first[key] = (_first(ix) if key != ("empty",) else math.inf, _length(ix))
+    order = sorted(first, key=lambda k: first[k][0])
+    number = {k: n for n, k in enumerate(order)}
+    return [number[k] for k in keys], [first[k][1] for k in order]
+
+
+def cut_blocks(lengths: Sequence[int], k: int) -> tuple[tuple[slice, ...], ...]:
+    """``[j][t]``: the slice of set t's local positions that goes to block j.
+
+    Each set is cut into k contiguous near-equal slices (:func:`split_range_evenly`); set t's
+    slice s goes to block ``(s + c_t) mod k``, with ``c_t`` the sets before it's total length mod
+    k, so the longer slices of consecutive sets land on consecutive blocks: block widths differ by
+    at most one, and every block is non-empty when the sets hold at least k indices in all."""
+    return _cut_blocks(tuple(int(n) for n in lengths), int(k))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cut_blocks(lengths: tuple[int, ...], k: int) -> tuple[tuple[slice, ...], ...]:
+    out = [[slice(0, 0)] * len(lengths) for _ in range(k)]
+    c = 0
+    for t, n in enumerate(lengths):
+        for s, sl in enumerate(split_range_evenly(n, k)):
+            out[(s + c) % k][t] = sl
+        c = (c + n) % k
+    return tuple(tuple(row) for row in out)
+
+
+def block_widths(lengths: Sequence[int], k: int) -> tuple[int, ...]:
+    return tuple(sum(sl.stop - sl.start for sl in row) for row in cut_blocks(lengths, k))
+
+
+def block_offsets(row: Sequence[slice]) -> list[int]:
+    """Where each set's slice of one block (a row of :func:`cut_blocks`) starts in the block
+    (sets in canonical order, end to end)."""
+    out, off = [], 0
+    for sl in row:
+        out.append(off)
+        off += sl.stop - sl.start
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_lengths(layout, dim: int) -> tuple[int, ...]:
+    members = layout.shard_group(layout.grid.coordinate(layout.grid.ranks[0]))
+    _, lengths = canonical_sets([layout.indices(layout.grid.coordinate(r))[dim] for r in members])
+    return tuple(lengths)
+
+
+def set_lengths(layout, shape: Sequence[int]) -> tuple[int, ...]:
+    """Lengths of the distinct index sets a layout's shard group holds along the cut dim of ``shape``."""
+    if layout is None:
+        return (shape[cut_dim(shape)],)
+    return _layout_lengths(layout, len(layout.shape) + cut_dim(shape))
+
+
+def lengths_along(layout, ndim: int, dim: int) -> tuple[int, ...]:
+    """Lengths of the distinct index sets a layout's shard group holds along (negative) ``dim``."""
+    return _layout_lengths(layout, ndim + dim)
+
+
+def piece_length(lengths: Sequence[int], k: int, j: int) -> int:
+    """The longest member slice of block j: what every member's piece is padded to along the cut dim."""
+    return max(sl.stop - sl.start for sl in cut_blocks(lengths, k)[j])
+
+
+def sub_shape(shape: Sequence[int], cut: Cut, width: int) -> tuple[int, ...]:
+    out = list(shape)
+    out[cut.dim] = width
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------
+# Which k a unit may use, and on which groups
+# ----------------------------------------------------------------------------
+
+
+def auto_ks(model: SplitModel, matrix: Sequence[int], group_size: int) -> tuple[int, ...]:
+    """The k (> 1) that ``"auto"`` may pick for a parameter of matrix shape ``[M, N]`` when its
+    candidates number ``group_size``: powers of two up to the cap, the group and the long side,
+    whose split iteration on one matrix is modelled faster than the unsplit one.  The groups
+    created at construction and the planner's choices both come from here."""
+    matrix = (1, *tuple(matrix)[-2:])
+    whole = model.member_cost(matrix, 1)
+    out = []
+    k = 2
+    while k <= min(model.max_ranks, group_size, max(matrix[-2:])):
+        if model.member_cost(matrix, k) < whole:
+            out.append(k)
+        k *= 2
+    return tuple(out)
+
+
+def always_k(shape: Sequence[int], shard_size: int) -> int:
+    """``"always"``: the whole shard group, for units whose short side has at least as many rows."""
+    return shard_size if shard_size > 1 and min(shape[-2:]) >= shard_size else 1
+
+
+@functools.lru_cache(maxsize=4096)
+def aligned_groups(candidates: tuple[int, ...], k: int) -> tuple[tuple[int, ...], ...]:
+    """Aligned blocks of k consecutive ranks of the sorted candidates (full blocks only)."""
+    ranks = tuple(sorted(candidates))
+    return tuple(ranks[i: i + k] for i in range(0, len(ranks) - k + 1, k))
+
+
+def rank_sets(shape: Sequence[int], layout, model: SplitModel | None) -> set[tuple[int, ...]]:
+    """Every rank set a split of this parameter may run on (all of the world's, members or not):
+    for ``"auto"``, the aligned k-blocks of each shard group and, with replicas, of each batch
+    coordinate's replica x shard holders, for every k :func:`auto_ks` allows; for ``"always"``
+    each shard group.  Pure; created once, collectively, at construction."""
+    if model is None or layout is None or len(shape) < 2:
+        return set()
+    out: set[tuple[int, ...]] = set()
+    shard = layout.shard_group_size
+    if model.mode == "always":
+        if always_k(shape, shard) > 1:
+            out.update(tuple(sorted(s)) for s in layout.grid.partition(layout.matrix_dims))
+        return out
+    candidate_sets = [tuple(sorted(s)) for s in layout.grid.partition(layout.matrix_dims)] if shard > 1 else []
+    if layout.num_replicas > 1:
+        for b in layout.batch_coordinates():
+            candidate_sets.append(tuple(sorted(layout.holders(b))))
+    for cands in dict.fromkeys(candidate_sets):
+        for k in auto_ks(model, shape[-2:], len(cands)):
+            out.update(aligned_groups(cands, k))
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Choosing k per unit, and the assignment
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class UnitOptions:
+    """What the choice needs of one unit: its whole cost and candidates, and per k its member
+    cost and groups (``forced``: the k it must use, "always")."""
+
+    cost: float
+    candidates: tuple[int, ...]
+    ks: tuple[int, ...] = ()  # allowed k > 1, ascending
+    member_cost: Callable[[int], float] | None = None
+    groups: Callable[[int], tuple[tuple[int, ...], ...]] | None = None
+    forced: int = 1
+
+    def next_k(self, k: int) -> int | None:
+        """The next allowed k above k whose member cost is lower than at k."""
+        here = self.cost if k == 1 else self.member_cost(k)
+        for c in self.ks:
+            if c > k and self.member_cost(c) < here:
+                return c
+        return None
+
+    def at(self, k: int) -> float:
+        return self.cost if k == 1 else self.member_cost(k)
+
+
+def assign(units: Sequence[UnitOptions], ks: Sequence[int],
+           held: dict[int, float] | None = None) -> tuple[list[int], dict[int, float]]:
+    """LPT over whole and cut units (:func:`~.owners.assign_owners_grouped`), on top of ``held``
+    (each rank's load from units it orthogonalises where it is): per unit the owner (k = 1) or the
+    index of its group among ``units[i].groups(k)``; and every rank's load."""
+    costs = [u.at(k) for u, k in zip(units, ks)]
+    candidates = [u.candidates if k == 1 else None for u, k in zip(units, ks)]
+    groups = [None if k == 1 else u.groups(k) for u, k in zip(units, ks)]
+    return assign_owners_grouped(costs, candidates, groups if any(k > 1 for k in ks) else None, held)
+
+
+def choose_ks(units: Sequence[UnitOptions], world: int,
+              held: Callable[[], dict[int, float]] = dict) -> list[int] | None:
+    """k per unit (see the module docstring), or None when every unit stays whole.  ``held()``:
+    every rank's load from units it orthogonalises where it is, which no cut can move (the busiest
+    rank counts them)."""
+    ks = [u.forced for u in units]
+    auto = [i for i, u in enumerate(units) if u.ks and u.forced == 1]
+    total = sum(u.cost for u in units)
+    if not auto or max(units[i].cost for i in auto) <= TRIGGER * total / max(1, world):
+        return ks if any(k > 1 for k in ks) else None
+    base = held()
+    best = _busiest(units, ks, base)
+    while True:  # each pass keeps the first move that pays: one class, costliest first, else two together
+        classes = [(cls, steps) for cls in _classes(units, auto, ks)
+                   if (steps := {i: k for i in cls if (k := units[i].next_k(ks[i])) is not None})]
+        moves = [[steps] for _, steps in classes]
+        moves += [[a, b] for n, (_, a) in enumerate(classes) for _, b in classes[n + 1:]]
+        for move in moves:
+            trial = list(ks)
+            for steps in move:
+                for i, k in steps.items():
+                    trial[i] = k
+            busiest = _busiest(units, trial, base)
+            if busiest <= best * (1 - MIN_GAIN):
+                ks, best = trial, busiest
+                break
+        else:
+            break
+    return ks if any(k > 1 for k in ks) else None
+
+
+def _busiest(units: Sequence[UnitOptions], ks: Sequence[int], held: dict[int, float]) -> float:
+    _, loads = assign(units, ks, held)
+    return max(loads.values(), default=0.0)
+
+
+def _classes(units: Sequence[UnitOptions], auto: Sequence[int], ks: Sequence[int]) -> list[list[int]]:
+    """The units that may be cut, costliest first, in classes of similar cost (within CLASS_BAND
+    of the class's costliest): same-shape units move together."""
+    cost = {i: units[i].at(ks[i]) for i in auto}
+    out: list[list[int]] = []
+    for i in sorted(auto, key=lambda i: (-cost[i], i)):
+        if out and cost[i] >= CLASS_BAND * cost[out[-1][0]]:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
