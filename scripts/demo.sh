@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: install (with matplotlib, for the figure), then train the
 # example transformer on the CPython standard library's text on a 4-rank FSDP+TP mesh under
-# torchrun, once with Muon (+AdamW for non-matrix parameters, QK-clip on) and once with AdamW,
+# torchrun, three times: Muon (+AdamW for non-matrix parameters, QK-clip on), NorMuon and AdamW,
 # each at the learning rate of the recorded sweep; print progress, a comparison table and the
 # agreement with single-device Muon; write runs/main_job/main_job.{png,md,json}.
 # Exit status 1 if the sharded Muon run leaves single-device Muon or a loss did not fall.
