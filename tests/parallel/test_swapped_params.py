@@ -28,10 +28,13 @@ MESHES = {  # mesh shape, placements of (matrices, experts, norms)
     "2-D fsdp+tp": ((2, 2), ["S0", "S1"], ["S1", "S2"], ["S0", "R"]),
     "3-D hsdp+tp": ((2, 2, 2), ["R", "S0", "S0"], ["R", "S0", "S1"], ["R", "S0", "R"]),
     "3-D strided": ((2, 2, 2), ["R", "SS0/2", "S0"], ["S0", "R", "S1"], ["R", "R", "S0"]),
+    # HSDP x context x TP-like: 16 ranks, matrices sharded over three mesh dims
+    "4-D hsdp+cp+tp": ((2, 2, 2, 2), ["R", "S0", "S0", "S1"], ["R", "S0", "S1", "S2"], ["R", "S0", "R", "R"]),
 }
 # Whether a step needs a process group of its own: a shard group over two of three mesh dims
-# (4 of 8 ranks). One mesh dim reuses the mesh's group; the whole world is WORLD.
-NEEDS_A_GROUP = {"1-D fsdp": False, "2-D fsdp+tp": False, "3-D hsdp+tp": True, "3-D strided": True}
+# (4 of 8 ranks; 8 of 16 on the 4-D mesh). One mesh dim reuses the mesh's group; the whole world is WORLD.
+NEEDS_A_GROUP = {"1-D fsdp": False, "2-D fsdp+tp": False, "3-D hsdp+tp": True, "3-D strided": True,
+                 "4-D hsdp+cp+tp": True}
 STEPS = 3
 
 
