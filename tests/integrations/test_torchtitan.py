@@ -615,6 +615,43 @@ def test_default_presets_fit_torchtitan_models(make):
         assert any(params[n].ndim == 3 for n in set(params) - adamw)  # expert stacks go to Muon
 
 
+# Every per-group option a torchtitan param group may set, with a value other than its default.
+# A Muon option added to settings.GROUP_OPTIONS without an entry here fails the test below.
+MUON_GROUP_VALUES = {
+    "lr": 0.03, "weight_decay": 0.2, "momentum": 0.9, "nesterov": False, "ns_steps": 4,
+    "ns_coefficients": "polar_express", "ns_method": "classic", "eps": 1e-6, "ns_split": "never",
+    "adjust_lr": "original", "maximize": True, "muon_transposed": False, "normuon_beta2": 0.9,
+    "cautious_wd": True, "momentum_dtype": torch.bfloat16,
+}
+ADAMW_GROUP_VALUES = {"lr": 0.03, "weight_decay": 0.2, "betas": (0.8, 0.9), "eps": 1e-6, "maximize": True,
+                      "cautious_wd": True}
+
+
+def test_every_group_option_passes_through_torchtitan_param_groups():
+    """A group's ``optimizer_kwargs`` reach the optimizer's group unchanged, for every per-group
+    option the optimizer declares (except the row blocks, which the container sets itself)."""
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from optimizer.settings import ADAMW, MUON, options_of
+
+    declared = {o.name for o in options_of(MUON)} - {ROW_BLOCKS_KEY}
+    assert declared == set(MUON_GROUP_VALUES), "a new Muon group option needs a value in MUON_GROUP_VALUES"
+    assert {o.name for o in options_of(ADAMW)} == set(ADAMW_GROUP_VALUES)
+    cfg = container_config(param_groups=[
+        ParamGroupConfig(pattern=ADAMW_PATTERN, optimizer_name="AdamW", optimizer_kwargs=dict(ADAMW_GROUP_VALUES)),
+        ParamGroupConfig(pattern=".*", optimizer_name="Muon", optimizer_kwargs=dict(MUON_GROUP_VALUES)),
+    ])
+    opts = cfg.build(model_parts=[titan_fixture.plain_model("llama3")])
+    muon = [g for g in opts.optimizers[0].param_groups if g["use_muon"]]
+    adamw = [g for g in opts.optimizers[0].param_groups if not g["use_muon"]]
+    assert muon and adamw
+    for groups, values in ((muon, MUON_GROUP_VALUES), (adamw, ADAMW_GROUP_VALUES)):
+        for g in groups:
+            for name, value in values.items():
+                # an optional option at its default is not held (muon_transposed False)
+                assert g.get(name, False if name == "muon_transposed" else None) == value, name
+
+
 def _refusal(make, model: str | nn.Module = "llama3"):
     """The ValueError message of building the container (``make() -> Config``) on a plain model, or None."""
     try:

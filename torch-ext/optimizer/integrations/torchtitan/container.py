@@ -21,6 +21,7 @@ from ...muon import Muon
 from ...param_groups import MOE_ROUTER_PATTERN
 from ...qk_clip import QKClipConfig
 from ...row_blocks import ROW_BLOCKS_KEY, SplitQKV
+from ...settings import ADAMW, MUON, options_of
 from ...tensors import is_dtensor
 from ._torchtitan import OptimizersContainer, ParamGroupConfig, canonical_fqn
 from .layouts import AttentionLayout, TorchtitanQKRoles, attention_layouts, check_known_fused, single
@@ -38,9 +39,11 @@ ADAMW_PATTERN = (
     r"|\.bias$"
 )
 
-MUON_GROUP_KEYS = frozenset({"lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr",
-                             "normuon_beta2", "cautious_wd", "momentum_dtype"})
-ADAMW_GROUP_KEYS = frozenset({"lr", "weight_decay", "betas", "eps", "cautious_wd"})
+# What a group's optimizer_kwargs may set: every per-group option of its kind (settings.GROUP_OPTIONS,
+# so an option added there is accepted here too), except the row blocks this container sets itself
+# (``fused_qkv_orthogonalization``).
+MUON_GROUP_KEYS = frozenset(o.name for o in options_of(MUON) if o.name != ROW_BLOCKS_KEY)
+ADAMW_GROUP_KEYS = frozenset(o.name for o in options_of(ADAMW))
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
