@@ -276,6 +276,9 @@ def test_adamw_options_and_row_block_overrides():
     gu = "model.layers.0.mlp.experts.gate_up_proj"
     groups = get_default_muon_param_groups(model, adamw_options={"weight_decay": 0.05})
     assert [g.get("weight_decay") for g in groups] == [None, 0.05]  # no_decay=None: one AdamW group
+    # every AdamW group option is accepted, the variants included (cautious WD in AdamW groups)
+    groups = get_default_muon_param_groups(model, adamw_options={"cautious_wd": True, "maximize": True})
+    assert [(g.get("cautious_wd"), g.get("maximize")) for g in groups] == [(None, None), (True, True)]
     # a {name: spec} merges over the automatic blocks (yours win); a single spec replaces them
     q = "model.layers.0.self_attn.q_proj.weight"
     muon = get_default_muon_param_groups(model, muon_row_blocks={q: "heads:8", gu: None})[0]

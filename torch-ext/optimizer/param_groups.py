@@ -66,6 +66,7 @@ from torch import Tensor, nn
 
 from .matrix_view import TRANSPOSED_KEY
 from .row_blocks import ROW_BLOCKS_KEY, row_blocks_to_plain
+from .settings import ADAMW, options_of
 
 # Owning-module names of output heads ("lm_head.weight" in HF, "output.weight" in torchtitan).
 # Matched against the module that owns the weight only, so e.g. BERT's
@@ -94,7 +95,8 @@ WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_mo
 TRAINER_NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
 _NO_DECAY_RES = tuple(re.compile(p) for p in TRAINER_NO_DECAY_PATTERNS)
 
-ADAMW_OPTION_KEYS = ("lr", "weight_decay", "betas", "eps", "maximize")
+# what ``adamw_options`` may set: every AdamW group option the optimizer declares
+ADAMW_OPTION_KEYS = tuple(o.name for o in options_of(ADAMW))
 FUSED_GATE_UP_MODES = ("split", "whole")
 
 ROLES = ("matrix", "embedding", "head", "router", "adapter", "conv", "bias", "vector", "tensor")
