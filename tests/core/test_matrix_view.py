@@ -69,6 +69,7 @@ CASES = {
     "qk-clip": dict(adjust_lr="original", qk_clip=QKClipConfig(head_dim=4, threshold=2.0)),
     # NorMuon's statistics are per output row: per stored column of an [in, out] weight
     "normuon": dict(adjust_lr="original", normuon_beta2=0.9, cautious_wd=True, weight_decay=0.1),
+    "normuon, gather mode": dict(adjust_lr="original", normuon_beta2=0.9, distributed_mode="gather"),
 }
 
 
@@ -147,7 +148,7 @@ def _sharded(rank, world_size, layout, case):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("case", ["match_rms_adamw", "qk-clip", "normuon"])
+@pytest.mark.parametrize("case", ["match_rms_adamw", "qk-clip", "normuon", "normuon, gather mode"])
 def test_a_sharded_transposed_weight_equals_its_single_device_linear_twin(layout, case):
     twin = _run(False, **CASES[case])
     for out in run_ranks(_sharded, 2, layout, case, timeout=90):
