@@ -124,11 +124,57 @@ def test_the_gram_case_runs_the_gram_form():
         assert choose_ns_method(shape, 5, "auto", torch.float32) == "gram"
 
 
-@pytest.mark.parametrize("name", ["fsdp_2", "fsdp_tp_4"])
-def test_normuon_units_stay_whole_and_equal_single_device(name):
-    """NorMuon's per-row statistics need whole rows: with NorMuon on, "always" cuts nothing, and
-    NorMuon (with cautious WD) still equals single-device NorMuon."""
-    _check(name, qk=False, extra={"normuon_beta2": 0.9, "cautious_wd": True}, expect_split=False)
+NORMUON = {"normuon_beta2": 0.9, "cautious_wd": True}
+
+
+def _run_with_state(rank, world_size, name, extra):
+    mesh_shape, specs, kw = CASES[name]
+    full, stats, state = run_distributed(rank, world_size, mesh_shape, specs, STEPS, False, with_stats=True,
+                                         with_state=True, ns_split="always", **{**kw, **extra})
+    return full, stats.split_units, {n: s["normuon_v"] for n, s in state.items()}
+
+
+def _check_normuon_state(name):
+    """NorMuon's v after STEPS steps, every rank against single-device's."""
+    mesh_shape, specs, kw = CASES[name]
+    _, want = run_reference(specs, STEPS, False, with_state=True,
+                            **{k: v for k, v in {**kw, **NORMUON}.items() if k != "replica_split"})
+    for got, split_units, v in run_ranks(_run_with_state, _world(mesh_shape), name, NORMUON, timeout=240):
+        assert split_units > 0
+        for n, ref in want.items():
+            torch.testing.assert_close(v[n], ref["normuon_v"], atol=ATOL, rtol=RTOL, msg=lambda m: f"{name} v {n}: {m}")
+
+
+@pytest.mark.parametrize("name", ["fsdp_2", "fsdp_4_shard1", "fsdp_tp_4", "hsdp_4_split"])
+def test_normuon_units_are_cut_and_equal_single_device(name):
+    """NorMuon (with cautious WD) on cut units: a column-cut wide unit's row statistics come from
+    one all-reduce of its row sums, a row-cut tall unit's norms from one of two numbers per
+    matrix, v travels in the blocks' row slots: the weights and v equal single-device NorMuon's."""
+    _check(name, qk=name in ("fsdp_2", "fsdp_tp_4", "hsdp_4_split"), extra=NORMUON, expect_split=True)
+    _check_normuon_state(name)
+
+
+def _local_row_sums(block, group, rows_whole):
+    """row_sums_of_squares without its all-reduce: this block's own row sums."""
+    from optimizer.parallel.split_newton_schulz import squares_per_row
+
+    sums = squares_per_row(block)
+    return sums, sums.sum(-1)
+
+
+@pytest.mark.parametrize("broken", ["row_sums", "norms"])
+def test_normuon_without_the_whole_matrix_statistics_is_caught(monkeypatch, broken):
+    """Skip the all-reduce of a cut unit's statistics (the row sums of a column-cut wide unit, or
+    the two norms of a row-cut tall one): each block is normalised with its own statistics, and
+    the comparison with single-device NorMuon fails."""
+    from optimizer import rule
+
+    if broken == "row_sums":
+        monkeypatch.setattr(rule, "row_sums_of_squares", _local_row_sums)  # the forked ranks inherit it
+    else:
+        monkeypatch.setattr(rule, "sum_over_group", lambda t, group: t)
+    with pytest.raises(AssertionError):
+        _check("fsdp_2", qk=False, extra=NORMUON)
 
 
 def test_never_runs_no_split_and_gather_mode_has_none():
