@@ -83,6 +83,8 @@ def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite, options=None
     ("hsdp_split", True, True, None), ("fsdp_tp", False, False, None), ("ns_split", True, True, None),
     # NorMuon (v through the all-to-alls and the replica all-gather), cautious WD, bf16 momentum
     ("fsdp_tp", True, False, VARIANTS), ("experts", True, True, VARIANTS), ("hsdp_split", True, True, VARIANTS),
+    # ... and on cut units: the whole matrix's row statistics by all-reduce, never read back
+    ("ns_split", True, True, VARIANTS),
 ], ids=lambda x: "variants" if isinstance(x, dict) else None)
 def test_one_host_read_per_step_whatever_the_number_of_parameters(case, qk, skip, options):
     for copies in (1, 3):

@@ -124,11 +124,57 @@ def test_the_gram_case_runs_the_gram_form():
         assert choose_ns_method(shape, 5, "auto", torch.float32) == "gram"
 
 
-@pytest.mark.parametrize("name", ["fsdp_2", "fsdp_tp_4"])
-def test_normuon_units_stay_whole_and_equal_single_device(name):
-    """NorMuon's per-row statistics need whole rows: with NorMuon on, "always" cuts nothing, and
-    NorMuon (with cautious WD) still equals single-device NorMuon."""
-    _check(name, qk=False, extra={"normuon_beta2": 0.9, "cautious_wd": True}, expect_split=False)
+NORMUON = {"normuon_beta2": 0.9, "cautious_wd": True}
+
+
+def _run_with_state(rank, world_size, name, extra):
+    mesh_shape, specs, kw = CASES[name]
+    full, stats, state = run_distributed(rank, world_size, mesh_shape, specs, STEPS, False, with_stats=True,
+                                         with_state=True, ns_split="always", **{**kw, **extra})
+    return full, stats.split_units, {n: s["normuon_v"] for n, s in state.items()}
+
+
+def _check_normuon_state(name):
+    """NorMuon's v after STEPS steps, every rank against single-device's."""
+    mesh_shape, specs, kw = CASES[name]
+    _, want = run_reference(specs, STEPS, False, with_state=True,
+                            **{k: v for k, v in {**kw, **NORMUON}.items() if k != "replica_split"})
+    for got, split_units, v in run_ranks(_run_with_state, _world(mesh_shape), name, NORMUON, timeout=240):
+        assert split_units > 0
+        for n, ref in want.items():
+            torch.testing.assert_close(v[n], ref["normuon_v"], atol=ATOL, rtol=RTOL, msg=lambda m: f"{name} v {n}: {m}")
+
+
+@pytest.mark.parametrize("name", ["fsdp_2", "fsdp_4_shard1", "fsdp_tp_4", "hsdp_4_split"])
+def test_normuon_units_are_cut_and_equal_single_device(name):
+    """NorMuon (with cautious WD) on cut units: a column-cut wide unit's row statistics come from
+    one all-reduce of its row sums, a row-cut tall unit's norms from one of two numbers per
+    matrix, v travels in the blocks' row slots: the weights and v equal single-device NorMuon's."""
+    _check(name, qk=name in ("fsdp_2", "fsdp_tp_4", "hsdp_4_split"), extra=NORMUON, expect_split=True)
+    _check_normuon_state(name)
+
+
+def _local_row_sums(block, group, rows_whole):
+    """row_sums_of_squares without its all-reduce: this block's own row sums."""
+    from optimizer.parallel.split_newton_schulz import squares_per_row
+
+    sums = squares_per_row(block)
+    return sums, sums.sum(-1)
+
+
+@pytest.mark.parametrize("broken", ["row_sums", "norms"])
+def test_normuon_without_the_whole_matrix_statistics_is_caught(monkeypatch, broken):
+    """Skip the all-reduce of a cut unit's statistics (the row sums of a column-cut wide unit, or
+    the two norms of a row-cut tall one): each block is normalised with its own statistics, and
+    the comparison with single-device NorMuon fails."""
+    from optimizer import rule
+
+    if broken == "row_sums":
+        monkeypatch.setattr(rule, "row_sums_of_squares", _local_row_sums)  # the forked ranks inherit it
+    else:
+        monkeypatch.setattr(rule, "sum_over_group", lambda t, group: t)
+    with pytest.raises(AssertionError):
+        _check("fsdp_2", qk=False, extra=NORMUON)
 
 
 def test_never_runs_no_split_and_gather_mode_has_none():
@@ -327,6 +373,38 @@ def test_row_sums_of_squares_for_normuon():
     for a, na, b, nb, ra, fa, rb, fb in run_ranks(_row_sums, 2, timeout=60):
         torch.testing.assert_close(a, ra), torch.testing.assert_close(na, fa)
         torch.testing.assert_close(b, rb), torch.testing.assert_close(nb, fb)
+
+
+def _normuon_split(rank, world_size, dtype):
+    from optimizer.rule import normuon_normalize, normuon_normalize_split
+
+    group = torch.distributed.group.WORLD
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for shape, rows_whole in (((2, 6, 20), False), ((2, 20, 6), True), ((9, 31), False)):
+        o = torch.randn(shape, generator=g)
+        v = torch.rand((*shape[:-1], 1), generator=g, dtype=dtype)
+        want, want_v = normuon_normalize(o, v, 0.9)
+        n = shape[-2] if rows_whole else shape[-1]
+        cut = slice(0, n // 2) if rank == 0 else slice(n // 2, n)  # uneven where n is odd
+        block = o[..., cut, :] if rows_whole else o[..., cut]
+        got, got_v = normuon_normalize_split(block, v[..., cut, :] if rows_whole else v, 0.9, group, rows_whole,
+                                             shape[-1])
+        out.append((got, want[..., cut, :] if rows_whole else want[..., cut],
+                    got_v, want_v[..., cut, :] if rows_whole else want_v))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_normuon_of_a_cut_matrix_is_normuon_of_the_whole(dtype):
+    """The split normalisation's blocks (and v) are the whole matrix's, for a column cut (wide,
+    batched and single), a row cut (tall), in v's dtype."""
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-10)
+    for per_rank in run_ranks(_normuon_split, 2, dtype, timeout=60):
+        for got, want, got_v, want_v in per_rank:
+            assert got.dtype == got_v.dtype == dtype
+            torch.testing.assert_close(got, want, **tol)
+            torch.testing.assert_close(got_v, want_v, **tol)
 
 
 # ------------------------------------------------------------- row blocks, checkpoints

@@ -38,7 +38,8 @@ import torch
 from torch import Tensor
 
 from .newton_schulz import zeropower_via_newtonschulz
-from .parallel.split_newton_schulz import split_zeropower_via_newtonschulz
+from .parallel.split_newton_schulz import (row_sums_of_squares, split_zeropower_via_newtonschulz, squares_per_row,
+                                           sum_over_group)
 from .qk_clip.step import apply_clip_
 from .row_blocks import RowBlocks, compile_blocks
 
@@ -163,6 +164,39 @@ def normuon_normalize(o: Tensor, v: Tensor, beta2: float) -> tuple[Tensor, Tenso
     hat = o / (v.sqrt() + NORMUON_EPS)
     hat = hat * (norm / torch.linalg.vector_norm(hat, dim=(-2, -1), keepdim=True).clamp_min(NORMUON_EPS))
     return hat, v
+
+
+def normuon_normalize_split(o: Tensor, v: Tensor, beta2: float, group, rows_whole: bool,
+                            columns: int) -> tuple[Tensor, Tensor]:
+    """:func:`normuon_normalize` of a matrix cut over ``group`` (``ns_split``), from this rank's
+    block ``o`` ``[..., r, c]`` of O (the parameter's orientation) and its rows of ``v``
+    ``[..., r, 1]``, with the whole matrix's statistics (each matrix of a batch on its own):
+
+    - a wide matrix cut along its columns (``rows_whole`` False: every member holds every row):
+      one all-reduce of the ``r`` row sums of squares (``row_sums_of_squares``); every member
+      then computes the same ``v`` of every row, ``||O||^2`` as the sum of the row sums and
+      ``||Ô||^2 = sum_i rowsum_i / (sqrt(v_i) + 1e-8)^2``, with no second collective;
+    - a tall matrix cut along its rows (``rows_whole``): the row sums and ``v`` are local, and
+      ``||O||^2`` and ``||Ô||^2`` take one all-reduce of two numbers per matrix.
+
+    ``columns``: the whole matrix's column count (the mean's divisor).  Returns ``(Ô block,
+    v_new)`` in ``v``'s dtype.  Collective on ``group``; no host synchronisation."""
+    o = o.to(v.dtype).contiguous()
+    if rows_whole:
+        sums = squares_per_row(o)
+        v = torch.lerp(v, (sums / columns).unsqueeze(-1), 1 - beta2)
+        denom = v.sqrt() + NORMUON_EPS
+        pair = torch.stack([sums.sum(-1), (sums / denom.squeeze(-1).square()).sum(-1)], dim=-1)
+        sum_over_group(pair, group)
+        norm2, hat2 = pair[..., 0], pair[..., 1]
+    else:
+        sums, norm2 = row_sums_of_squares(o, group, False)
+        v = torch.lerp(v, (sums / columns).unsqueeze(-1), 1 - beta2)
+        denom = v.sqrt() + NORMUON_EPS
+        hat2 = (sums / denom.squeeze(-1).square()).sum(-1)
+    hat = o / denom
+    scale = norm2.sqrt() / hat2.sqrt().clamp_min(NORMUON_EPS)
+    return hat * scale[..., None, None].to(hat.dtype), v
 
 
 def row_state_dtype(work_dtype: torch.dtype) -> torch.dtype:
@@ -298,13 +332,29 @@ class OwnerStage:
                 out = hat.to(out.dtype)  # the update in Newton–Schulz's dtype, as every path sends it
         return out, (None if v is None else encode_rows(v, rows.dtype))
 
-    def split(self, x: Tensor, widths: Sequence[int], group) -> Tensor:
-        """This rank's column block of the whole matrix's Newton–Schulz (``NewtonSchulz.split``).
-        Only plain units are cut: row blocks and NorMuon's row statistics keep a unit whole
-        (the planner never cuts them), so there is nothing after Newton–Schulz to do here."""
-        if self.blocks is not None or self.normuon_beta2 is not None:
-            raise AssertionError("OwnerStage.split: a unit with row blocks or NorMuon is never cut")
-        return self.newton_schulz.split(x, widths, group)
+    def split(self, x: Tensor, widths: Sequence[int], group, rows: Tensor | None = None,
+              transpose: bool = False) -> tuple[Tensor, Tensor | None]:
+        """This rank's block of what ``self(whole, rows)`` returns for a matrix cut over ``group``:
+        ``x`` its column block short side first (``transpose``: the transpose of a row block of
+        a tall matrix), ``widths`` every member's block width in group-rank order, ``rows`` this
+        block's rows of v (:func:`encode_rows`; NorMuon only).  Newton–Schulz of the block
+        (``NewtonSchulz.split``), then NorMuon's normalisation with the whole matrix's statistics
+        (:func:`normuon_normalize_split`).  Returns ``(update block in x's orientation, new rows
+        of v or None)``.  Units with row blocks are never cut (their blocks are orthogonalised
+        apart).  Collective on ``group``."""
+        if self.blocks is not None:
+            raise AssertionError("OwnerStage.split: a unit with row blocks is never cut")
+        y = self.newton_schulz.split(x, widths, group)
+        beta2 = self.normuon_beta2
+        if beta2 is None:
+            return y, None
+        if rows is None:
+            raise ValueError("OwnerStage.split: NorMuon needs the rows of v with the block")
+        o = y.mT if transpose else y  # the parameter's orientation: v has one value per row
+        hat, v = normuon_normalize_split(o, decode_rows(rows), beta2, group, rows_whole=transpose,
+                                         columns=o.shape[-1] if transpose else sum(widths))
+        hat = hat.to(y.dtype)  # the update in Newton–Schulz's dtype, as every path sends it
+        return (hat.mT if transpose else hat), encode_rows(v, rows.dtype)
 
 
 # ---------------------------------------------------------------------------- one parameter's step
@@ -351,33 +401,40 @@ class MatrixStep:
     def scales_rows(self) -> bool:
         return self.clip is not None
 
-    def orthogonalize_split(self, x: Tensor, widths: Sequence[int], group) -> Tensor:
+    def orthogonalize_split(self, x: Tensor, widths: Sequence[int], group, rows: Tensor | None = None,
+                            transpose: bool = False) -> tuple[Tensor, Tensor | None]:
         """The owner's stage for one block of a matrix cut over ``group`` (``ns_split``): ``x`` is
         this rank's column block, short side first (the runtime transposes a tall matrix's row
-        block), ``widths`` every member's block width in group-rank order.  Returns this rank's
-        block of what :attr:`orthogonalize` returns for the whole matrix.  Collective on ``group``.
+        block: ``transpose``), ``widths`` every member's block width in group-rank order, ``rows``
+        the block's rows of v (NorMuon).  Returns this rank's block of what :attr:`orthogonalize`
+        returns for the whole matrix, and the block's new rows of v (None without NorMuon).
+        Collective on ``group``.
 
-        NorMuon units are not cut (``StepContext``): their per-row mean of O*O and the per-matrix
-        Frobenius rescale need whole rows.  Cutting them would hook in here, after the split call:
-        ``split_newton_schulz.row_sums_of_squares(block, group, rows_whole)`` gives every row's
-        sum over the whole matrix and the squared Frobenius norm with one all-reduce (of ``rows``
-        numbers for a wide matrix cut by columns, of one number for a tall one), and v's rows
-        would travel with the blocks as they do with whole units."""
-        return self.orthogonalize.split(x, widths, group)
+        NorMuon's per-row mean of O*O and per-matrix Frobenius rescale need the whole matrix:
+        ``OwnerStage.split`` takes them from one all-reduce after the split call (of the ``r``
+        row sums for a wide matrix cut by columns, of two numbers per matrix for a tall one cut
+        by rows; :func:`normuon_normalize_split`), and v's rows travel with the blocks as they
+        do with whole units."""
+        return self.orthogonalize.split(x, widths, group, rows, transpose)
 
     def input_into(self, out: Tensor, region: tuple = ()) -> None:
         nesterov_input_(out, _region(self.grad, region), _region(self.buf, region), self.momentum, self.nesterov)
 
     def row_state_into(self, out: Tensor, region: tuple = ()) -> None:
         """``out`` ``[..., rows, k]`` <- the piece's rows of v, as ``out``'s dtype carries them."""
-        out.copy_(encode_rows(_region(self.row_state, region), out.dtype))
+        out.copy_(encode_rows(_region(self.row_state, self._rows_region(region)), out.dtype))
 
     def apply_update(self, region: tuple, update: Tensor, rows: Tensor | None = None) -> None:
         """Weight decay and the update of the piece; with NorMuon, store its rows of the new v."""
         if rows is not None and self.row_state is not None:
-            _region(self.row_state, region).copy_(decode_rows(rows))
+            _region(self.row_state, self._rows_region(region)).copy_(decode_rows(rows))
         apply_update_(_region(self.param, region), update, self.lr, self.adjusted_lr, self.weight_decay,
                       self.cautious)
+
+    def _rows_region(self, region: tuple) -> tuple:
+        """The part of v (``[..., rows, 1]``) holding a region's rows: the region without its
+        column slice (a block of a matrix cut along its columns holds some columns of its rows)."""
+        return region[: self.row_state.ndim - 1]
 
     def scale_rows(self) -> None:
         """QK-clip: scale each local row by its head's factor (2-D weights: one region, the whole piece)."""

@@ -213,15 +213,16 @@ class StepContext:
                 cost = blocks_cost(blocks, cost)
         work = torch.promote_types(p.dtype, options.dtype_of(group.get("momentum_dtype")) or p.dtype)
         normuon = group.get("normuon_beta2") is not None
-        whole_rows_free = group.get(ROW_BLOCKS_KEY) is None and not normuon
+        cuttable = group.get(ROW_BLOCKS_KEY) is None
         return PlanParam(
             name=e.name, shape=e.shape, layout=layout, wire_dtype=wire_dtype(compute, p),
             device=local_view(p).device, ns_key=ns_key, cost=cost,
             mesh=p.device_mesh if layout is not None else None,
             compute_itemsize=compute.itemsize, state_itemsize=work.itemsize,
             row_bytes=row_state_dtype(work).itemsize if normuon else 0,
-            # a unit with row blocks or NorMuon's row statistics is orthogonalised whole (README: ns_split)
-            split=split_model(group, compute, local_view(p).device) if whole_rows_free else None,
+            # a unit with row blocks is orthogonalised whole, block by block (README: ns_split); a cut
+            # NorMuon unit takes its row statistics from the whole matrix (rule.normuon_normalize_split)
+            split=split_model(group, compute, local_view(p).device) if cuttable else None,
         )
 
     def _missing_groups(self, param_groups: Sequence[Mapping]) -> list[tuple[int, ...]]:
@@ -444,8 +445,8 @@ def split_rank_sets(param_groups: Sequence[Mapping], settings: MuonSettings, lay
     out: set[tuple[int, ...]] = set()
     for e in entries_of(param_groups):
         group, p = param_groups[e.group], e.param
-        if not e.use_muon or group.get(ROW_BLOCKS_KEY) is not None or group.get("normuon_beta2") is not None:
-            continue  # kept whole (``StepContext``: row blocks and NorMuon's row statistics)
+        if not e.use_muon or group.get(ROW_BLOCKS_KEY) is not None:
+            continue  # kept whole (``StepContext``: row blocks are orthogonalised apart)
         if not is_dtensor(p) or p.dim() < 2 or param_problem("", p) is not None:
             continue
         device = local_view(p).device

@@ -35,7 +35,8 @@ Terms
             ``k`` elements of the wire dtype (its bytes).  The owner assembles it with
             the rows' index, the scatter returns it with the update: no collective of
             its own, and a zero-copy matrix stays a (strided) view of the buffer.
-            Units with row state are never cut (their row statistics need whole rows).
+            A block of a cut unit carries its rows' state too: all rows for a cut
+            along the columns, its own rows for a cut along the rows.
   cut       a unit split over the k ranks of a group (``ns_split``; ``split_plan.py``):
             k sub-jobs, each a block of its long side, owned by the group's members,
             orthogonalised together by the split Newton-Schulz iteration.

@@ -25,6 +25,9 @@ Per-row state (NorMuon's v, ``step.row_bytes > 0``) rides along: every block of 
 ``row_slots`` more columns holding its rows' state (``step.row_state_into``), the owner
 assembles it with the rows' index and hands it to its stage with the matrix, and the scatter
 (and the replica all-gather) return the new state in the same columns to ``step.apply_update``.
+A block of a cut unit carries the state of its rows alike: every row of a wide unit cut along
+its columns (each block owner computes the same new v for them, and every member's pieces get
+them back), a row block's own rows of a tall unit cut along its rows.
 
 Chunk i+1's gather is in flight while chunk i is orthogonalised, chunk i-1's scatter and chunk
 i-2's replica all-gather too (``async_op=True``, gloo and NCCL alike).  Peak extra memory: the
@@ -71,7 +74,8 @@ class Stages(Protocol):
 
     def orthogonalize(self, x: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
-    def orthogonalize_split(self, x: torch.Tensor, widths: Sequence[int], group) -> torch.Tensor: ...
+    def orthogonalize_split(self, x: torch.Tensor, widths: Sequence[int], group, rows: torch.Tensor | None,
+                            transpose: bool) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def apply_update(self, region: tuple, update: torch.Tensor, rows: torch.Tensor | None) -> None: ...
 
@@ -277,13 +281,15 @@ def orthogonalize_owned(flight: _Flight, fulls: list[torch.Tensor], steps: Seque
         out: list[torch.Tensor | None] = [None] * len(fulls)
         rows_out: list[torch.Tensor | None] = [None] * len(fulls)
         # Blocks of cut units first (their group's other owners wait on them), in the unit order
-        # every rank shares: each is a sequence of blocking collectives on its group.  (Units with
-        # row state are never cut: their row statistics need whole rows.)
+        # every rank shares: each is a sequence of blocking collectives on its group.  A block's
+        # row state (NorMuon's v of its rows) goes in and comes out like a whole unit's; its
+        # statistics over the whole matrix are the split stage's own collective.
         for k in sorted((k for k, o in enumerate(chunk.owned) if o.split is not None),
                         key=lambda k: chunk.owned[k].split.unit):
             o, full = chunk.owned[k], fulls[k]
             x = full.mT if o.split.transpose else full  # short side first
-            y = steps[o.param].orthogonalize_split(x, o.split.widths, o.split.group)
+            y, rows_out[k] = steps[o.param].orthogonalize_split(x, o.split.widths, o.split.group, flight.rows[k],
+                                                                o.split.transpose)
             out[k] = (y.mT if o.split.transpose else y).to(full.dtype)
             stats.split_units += 1
         for b, batch, row_batch in flight.fulls:

@@ -136,6 +136,8 @@ __all__ = [
     "split_critical_path",
     "split_ns_cost",
     "split_zeropower_via_newtonschulz",
+    "squares_per_row",
+    "sum_over_group",
 ]
 
 B_SPLITS = ("auto", "replicated", "rows")
@@ -583,6 +585,19 @@ def _b_rows(A: Tensor, b: float, c: float, k: int, rank: int, group) -> Tensor:
     return gathered.movedim(0, -3).reshape(*lead, k * p, m)[..., :m, :]
 
 
+def squares_per_row(block: Tensor) -> Tensor:
+    """Each row's sum of squares of ``block`` ``[..., r, c]``: ``[..., r]`` in fp32 (or wider)."""
+    return torch.linalg.vector_norm(block, dim=-1, dtype=_wide(block.dtype, block.dtype)).square()
+
+
+def sum_over_group(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``t`` summed over ``group``'s members, in place (one all-reduce; nothing alone). Collective."""
+    k, _ = _group_size_rank(group)
+    if k > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
 def row_sums_of_squares(block: Tensor, group: dist.ProcessGroup | None, rows_whole: bool) -> tuple[Tensor, Tensor]:
     """For a post-processing that needs whole rows of the orthogonalised matrix (NorMuon's per-row
     ``mean(O*O, dim=-1)`` and its per-matrix Frobenius rescale) when O is split over ``group``.
@@ -594,14 +609,11 @@ def row_sums_of_squares(block: Tensor, group: dist.ProcessGroup | None, rows_who
     row sums add up: one all-reduce of ``[..., r]`` numbers, and the norm follows from them.
     Returns (sum over the whole matrix's columns of each row's squares ``[..., r]``, squared
     Frobenius norm ``[...]``), in fp32 (or wider), the same on every member. Collective on
-    ``group``; no host synchronisation."""
-    k, _ = _group_size_rank(group)
-    sums = torch.linalg.vector_norm(block, dim=-1, dtype=_wide(block.dtype, block.dtype)).square()
+    ``group``; no host synchronisation.  (NorMuon on a row-cut block needs a second number per
+    matrix, the normalised matrix's norm, which depends on the local rows' v:
+    ``rule.normuon_normalize_split`` sends both in one :func:`sum_over_group` instead.)"""
+    sums = squares_per_row(block)
     if rows_whole:
-        total = sums.sum(-1)
-        if k > 1:
-            dist.all_reduce(total, group=group)
-        return sums, total
-    if k > 1:
-        dist.all_reduce(sums, group=group)
+        return sums, sum_over_group(sums.sum(-1), group)
+    sum_over_group(sums, group)
     return sums, sums.sum(-1)
