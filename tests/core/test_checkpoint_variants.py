@@ -242,6 +242,19 @@ def test_state_dtypes_survive_load_state_dict():
         assert opt4.state[bf][key].dtype == torch.float32 and torch.equal(opt4.state[bf][key], opt3.state[bf][key])
 
 
+def test_load_post_hooks_run_once_and_see_the_state_as_loaded():
+    """torch runs load-state-dict post-hooks after loading; ours run after the state whose dtype
+    is the optimizer's own is restored, so a hook sees the bf16 momentum and v, once."""
+    params, opt = _single()
+    _steps(params, opt, range(K))
+    params2, opt2 = _single()
+    seen = []
+    opt2.register_load_state_dict_post_hook(
+        lambda o: seen.append({k: o.state[params2[0]][k].dtype for k in ("momentum_buffer", "normuon_v")}))
+    opt2.load_state_dict(_round_trip(opt.state_dict()))
+    assert seen == [{"momentum_buffer": torch.bfloat16, "normuon_v": torch.float32}]
+
+
 def test_another_momentum_dtype_converts_with_a_note(caplog):
     params, opt = _single()  # bf16 momentum
     _steps(params, opt, range(K))

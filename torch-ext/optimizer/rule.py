@@ -42,6 +42,7 @@ from .parallel.split_newton_schulz import (row_sums_of_squares, split_zeropower_
                                            sum_over_group)
 from .qk_clip.step import apply_clip_
 from .row_blocks import RowBlocks, compile_blocks
+from .settings import dtype_of
 
 ADJUST_LR_MODES = ("match_rms_adamw", "original", "none", None)
 
@@ -199,9 +200,19 @@ def normuon_normalize_split(o: Tensor, v: Tensor, beta2: float, group, rows_whol
     return hat * scale[..., None, None].to(hat.dtype), v
 
 
-def row_state_dtype(work_dtype: torch.dtype) -> torch.dtype:
+def momentum_dtype(p: Tensor, group) -> torch.dtype:
+    """Where a parameter's momentum is stored: the group's ``momentum_dtype``, else the parameter's."""
+    return dtype_of(group.get("momentum_dtype")) or p.dtype
+
+
+def work_dtype(p: Tensor, group) -> torch.dtype:
+    """The momentum's arithmetic dtype: the wider of the parameter's and the buffer's."""
+    return torch.promote_types(p.dtype, momentum_dtype(p, group))
+
+
+def row_state_dtype(arithmetic: torch.dtype) -> torch.dtype:
     """NorMuon's ``v``: at least fp32, and at least the momentum's arithmetic dtype (fp64 runs stay fp64)."""
-    return torch.promote_types(work_dtype, torch.float32)
+    return torch.promote_types(arithmetic, torch.float32)
 
 
 def encode_rows(v: Tensor, carrier: torch.dtype) -> Tensor:

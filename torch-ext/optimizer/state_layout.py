@@ -68,11 +68,10 @@ from .adamw import ADAMW_STATE_KEYS
 from .qk_clip import QKClipConfig, config_from_record, config_record
 from .distributed.placements import row_placements
 from .matrix_view import TRANSPOSED_KEY, transposed_for, view_placements, view_shape
-from .rule import row_state_dtype
+from .rule import momentum_dtype, row_state_dtype, work_dtype
 from .row_blocks import ROW_BLOCKS_KEY, from_checkpoint, row_blocks_for_checkpoint, row_blocks_mismatch
 from .settings import check_group, normalize_group, resolve_adjust_lr_fn
 from .tensors import is_dtensor
-from .update import momentum_dtype, work_dtype
 
 logger = logging.getLogger("optimizer.muon")
 

@@ -36,7 +36,7 @@ from .qk_clip.plan import QKClipPlan, build_qk_clip_plan
 from .qk_clip.step import ClipStep, check_layer_gradients, check_step_logits, compute_clip_step, describe_nonfinite
 from .matrix_view import TRANSPOSED_KEY, transposed_for, view_placements, view_shape
 from .row_blocks import ROW_BLOCKS_KEY, RowBlocks, resolve_row_blocks, spec_for
-from .rule import row_state_dtype
+from .rule import row_state_dtype, work_dtype
 from .settings import MuonSettings
 from .tensors import is_dtensor, local_view
 
@@ -211,7 +211,7 @@ class StepContext:
                 self.row_blocks[i] = blocks
                 ns_key = (e.group, e.name)  # its own orthogonalisation: never batched with others
                 cost = blocks_cost(blocks, cost)
-        work = torch.promote_types(p.dtype, options.dtype_of(group.get("momentum_dtype")) or p.dtype)
+        work = work_dtype(p, group)
         normuon = group.get("normuon_beta2") is not None
         cuttable = group.get(ROW_BLOCKS_KEY) is None
         return PlanParam(

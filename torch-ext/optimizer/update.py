@@ -14,8 +14,9 @@ from .parallel.runtime import gather_everything, run_parallel_muon
 from .parallel.stats import PipelineStats
 from .qk_clip.step import ClipStep
 from .distributed.placements import row_placements
-from .rule import MatrixStep, NewtonSchulz, OwnerStage, adjust_lr, momentum_, row_state_dtype
-from .settings import MuonSettings, dtype_of
+from .rule import (MatrixStep, NewtonSchulz, OwnerStage, adjust_lr, momentum_, momentum_dtype, row_state_dtype,
+                   work_dtype)
+from .settings import MuonSettings
 from .step_context import StepContext
 from .tensors import is_dtensor, local_view
 
@@ -35,16 +36,6 @@ def muon_update(context: StepContext, state: MutableMapping, settings: MuonSetti
     else:
         run_parallel_muon(context.plan, steps, lookahead=settings.lookahead, stats=stats)
     return stats
-
-
-def momentum_dtype(p: torch.Tensor, group) -> torch.dtype:
-    """Where a parameter's momentum is stored: the group's ``momentum_dtype``, else the parameter's."""
-    return dtype_of(group.get("momentum_dtype")) or p.dtype
-
-
-def work_dtype(p: torch.Tensor, group) -> torch.dtype:
-    """The momentum's arithmetic dtype: the wider of the parameter's and the buffer's."""
-    return torch.promote_types(p.dtype, momentum_dtype(p, group))
 
 
 def momentum_buffers(params: list[torch.Tensor], groups, state: MutableMapping) -> list[torch.Tensor]:
