@@ -132,6 +132,36 @@ def run_distributed(rank, world_size, mesh_shape, specs, steps, qk, threshold=1.
     return out[0] if len(out) == 1 else tuple(out)
 
 
+def owned_matrices_of_one_step(mesh_shape, specs, **kw):
+    """Muon on ``specs`` as DTensors (momentum 0.9, ``kw`` its options), stepped once, and every
+    matrix (or block) an owner assembled in that step, as ``[(param name, owned unit, tensor)]``:
+    what ``parallel/runtime.finish_gather`` returned, recorded around the call."""
+    import optimizer.parallel.runtime as pipeline
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    params, grads = make_case_tensors(specs, 1)
+    named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
+             for n, _, pl in specs]
+    opt = Muon(build_groups(named), lr=0.02, momentum=0.9, **kw)
+    for n, p in named:
+        p.grad = to_dtensor(grads[0][n], mesh, p.placements)
+    seen = []
+    finish = pipeline.finish_gather
+
+    def record(flight, stats):
+        fulls = finish(flight, stats)
+        seen.extend((o, full.clone()) for o, full in zip(flight.chunk.owned, fulls))
+        return fulls
+
+    pipeline.finish_gather = record
+    try:
+        opt.step()
+    finally:
+        pipeline.finish_gather = finish
+    names = [e.name for e in opt._cached_context.muon]
+    return [(names[o.param], o, full) for o, full in seen]
+
+
 def outcome(fn):
     """("ok", "") or (exception type, message): lets a test compare what each rank saw."""
     try:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_cases import build_groups, make_case_tensors, parse_placement, run_distributed, run_reference, to_dtensor
+from dist_cases import (build_groups, make_case_tensors, owned_matrices_of_one_step, parse_placement, run_distributed,
+                        run_reference, to_dtensor)
 from harness import run_ranks
 
 ATOL, RTOL = 1e-5, 1e-5  # fp32 rounding of a differently ordered Gram sum (measured <= 5e-7 here)
@@ -210,34 +211,10 @@ def test_a_misassigned_block_is_caught(monkeypatch):
 
 def _assembled(rank, world_size, name):
     """Every block an owner assembles, with its parameter's name."""
-    import optimizer.parallel.runtime as pipeline
-    from optimizer import Muon
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh_shape, specs, kw = CASES[name]
-    mesh = init_device_mesh("cpu", mesh_shape)
-    params, grads = make_case_tensors(specs, 1)
-    named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
-             for n, _, pl in specs]
-    opt = Muon(build_groups(named), lr=0.02, momentum=0.9, ns_split="always", **kw)
-    for n, p in named:
-        p.grad = to_dtensor(grads[0][n], mesh, p.placements)
-    seen = []
-    finish = pipeline.finish_gather
-
-    def record(flight, stats):
-        fulls = finish(flight, stats)
-        seen.extend((o.param, o.experts, o.split.transpose, o.split.unit, full.clone())
-                    for o, full in zip(flight.chunk.owned, fulls) if o.split is not None)
-        return fulls
-
-    pipeline.finish_gather = record
-    try:
-        opt.step()
-    finally:
-        pipeline.finish_gather = finish
-    names = [e.name for e in opt._cached_context.muon]
-    return [(names[i], experts, transposed, unit, full) for i, experts, transposed, unit, full in seen]
+    return [(n, o.experts, o.split.transpose, o.split.unit, full)
+            for n, o, full in owned_matrices_of_one_step(mesh_shape, specs, ns_split="always", **kw)
+            if o.split is not None]
 
 
 @pytest.mark.parametrize("name", ["fsdp_2", "fsdp_4_shard1", "fsdp_tp_4", "hsdp_4_split"])

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_cases import build_groups, make_case_tensors, parse_placement, run_distributed, run_reference, to_dtensor
+from dist_cases import (build_groups, make_case_tensors, owned_matrices_of_one_step, parse_placement, run_distributed,
+                        run_reference, to_dtensor)
 from harness import run_ranks
 
 ATOL, RTOL = 2e-6, 1e-5
@@ -98,33 +99,8 @@ def test_equal_to_single_device(name, split):
 
 def _assembled(rank, world_size, name, split):
     """Every matrix an owner orthogonalises, next to the global update it must equal."""
-    import optimizer.parallel.runtime as pipeline
-    from optimizer import Muon
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh_shape, specs = CASES[name]
-    mesh = init_device_mesh("cpu", mesh_shape)
-    params, grads = make_case_tensors(specs, 1)
-    named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
-             for n, _, pl in specs]
-    opt = Muon(build_groups(named), lr=0.02, momentum=0.9, replica_split=split)
-    for n, p in named:
-        p.grad = to_dtensor(grads[0][n], mesh, p.placements)
-    seen = []
-    finish = pipeline.finish_gather
-
-    def record(flight, stats):
-        fulls = finish(flight, stats)
-        seen.extend((o.param, o.experts, full.clone()) for o, full in zip(flight.chunk.owned, fulls))
-        return fulls
-
-    pipeline.finish_gather = record
-    try:
-        opt.step()
-    finally:
-        pipeline.finish_gather = finish
-    names = [e.name for e in opt._cached_context.muon]
-    return [(names[i], experts, full) for i, experts, full in seen]
+    return [(n, o.experts, full) for n, o, full in owned_matrices_of_one_step(mesh_shape, specs, replica_split=split)]
 
 
 @pytest.mark.parametrize("name, split", [
