@@ -88,12 +88,12 @@ def _state(opt, named, key):
 def _save(rank, world_size, path, broken):
     _quiet()
     if broken:  # v saved under placements that put its strided rows in the wrong global places
-        import optimizer.update as update
+        import optimizer.matrix_view as matrix_view  # where v's layout is derived (row_state_layout)
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.placement_types import _StridedShard
 
-        right = update.row_placements
-        update.row_placements = lambda pl, ndim: tuple(
+        right = matrix_view.row_placements
+        matrix_view.row_placements = lambda pl, ndim: tuple(
             Shard(p.dim) if isinstance(p, _StridedShard) else p for p in right(pl, ndim))
     mesh = init_device_mesh("cpu", (2, 2))
     net, named, opt = _net(mesh, [p4 for _, _, p4, _ in LAYOUTS])

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from torch import Tensor
 from torch.distributed.tensor.placement_types import Placement, Shard
 
-from .distributed.placements import is_strided_shard
+from .distributed.placements import is_strided_shard, row_placements
 
 TRANSPOSED_KEY = "muon_transposed"
 
@@ -75,3 +75,14 @@ def view_placements(placements: Sequence[Placement], ndim: int, transposed: bool
 def local_matrix(t: Tensor, transposed: bool) -> Tensor:
     """A local tensor as Muon reads it (a view: in-place updates reach the stored tensor)."""
     return t.mT if transposed else t
+
+
+def row_state_layout(shape: Sequence[int], placements: Sequence[Placement],
+                     transposed: bool) -> tuple[tuple[int, ...], tuple[Placement, ...]]:
+    """Shape and placements of per-row state ``[..., rows, 1]`` (NorMuon's v) of a parameter of
+    ``shape`` and ``placements`` (``()`` for a plain tensor) read as its matrix view: one value per
+    row of the view, a DTensor whose local rows are exactly the view's (``row_placements``)."""
+    rows_shape = (*view_shape(shape, transposed)[:-1], 1)
+    if not placements:
+        return rows_shape, ()
+    return rows_shape, row_placements(view_placements(placements, len(shape), transposed), len(shape))

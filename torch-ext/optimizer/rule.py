@@ -183,21 +183,22 @@ def normuon_normalize_split(o: Tensor, v: Tensor, beta2: float, group, rows_whol
     ``columns``: the whole matrix's column count (the mean's divisor).  Returns ``(Ô block,
     v_new)`` in ``v``'s dtype.  Collective on ``group``; no host synchronisation."""
     o = o.to(v.dtype).contiguous()
-    if rows_whole:
-        sums = squares_per_row(o)
-        v = torch.lerp(v, (sums / columns).unsqueeze(-1), 1 - beta2)
-        denom = v.sqrt() + NORMUON_EPS
-        pair = torch.stack([sums.sum(-1), (sums / denom.squeeze(-1).square()).sum(-1)], dim=-1)
-        sum_over_group(pair, group)
-        norm2, hat2 = pair[..., 0], pair[..., 1]
-    else:
-        sums, norm2 = row_sums_of_squares(o, group, False)
-        v = torch.lerp(v, (sums / columns).unsqueeze(-1), 1 - beta2)
-        denom = v.sqrt() + NORMUON_EPS
-        hat2 = (sums / denom.squeeze(-1).square()).sum(-1)
+    # every row's sum of squares over the whole matrix's columns: local when the block holds whole
+    # rows, else the members' partial sums added up (one all-reduce of r numbers)
+    sums = squares_per_row(o) if rows_whole else row_sums_of_squares(o, group, rows_whole=False)[0]
+    v = torch.lerp(v, (sums / columns).unsqueeze(-1), 1 - beta2)
+    denom = v.sqrt() + NORMUON_EPS
+    norms2 = torch.stack([sums.sum(-1), (sums / denom.squeeze(-1).square()).sum(-1)], dim=-1)  # ||O||², ||Ô||²
+    if rows_whole:  # over the members' rows: one all-reduce of two numbers per matrix
+        sum_over_group(norms2, group)
     hat = o / denom
-    scale = norm2.sqrt() / hat2.sqrt().clamp_min(NORMUON_EPS)
+    scale = norms2[..., 0].sqrt() / norms2[..., 1].sqrt().clamp_min(NORMUON_EPS)
     return hat * scale[..., None, None].to(hat.dtype), v
+
+
+def normuon_on(group) -> bool:
+    """Whether a param group runs NorMuon (``normuon_beta2`` set)."""
+    return group.get("normuon_beta2") is not None
 
 
 def momentum_dtype(p: Tensor, group) -> torch.dtype:

@@ -66,9 +66,8 @@ import torch
 
 from .adamw import ADAMW_STATE_KEYS
 from .qk_clip import QKClipConfig, config_from_record, config_record
-from .distributed.placements import row_placements
-from .matrix_view import TRANSPOSED_KEY, transposed_for, view_placements, view_shape
-from .rule import momentum_dtype, row_state_dtype, work_dtype
+from .matrix_view import TRANSPOSED_KEY, row_state_layout, transposed_for
+from .rule import momentum_dtype, normuon_on, row_state_dtype, work_dtype
 from .row_blocks import ROW_BLOCKS_KEY, from_checkpoint, row_blocks_for_checkpoint, row_blocks_mismatch
 from .settings import check_group, normalize_group, resolve_adjust_lr_fn
 from .tensors import is_dtensor
@@ -176,10 +175,6 @@ def stamp_group(group: dict, cfg: QKClipConfig | None) -> None:
     group[QK_CLIP_KEY] = qk_clip_record(cfg)
     if group.get("use_muon"):
         group.setdefault(ROW_BLOCKS_KEY, None)
-
-
-def normuon_on(group: Mapping) -> bool:
-    return group.get("normuon_beta2") is not None
 
 
 def split_kept_state(state_dict: Mapping, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -469,8 +464,7 @@ def _check_param_state(entry: Any, p: torch.Tensor, name: str, use_muon: bool, n
             continue
         shape, placements = tuple(p.shape), tuple(p.placements) if is_dtensor(p) else ()
         if key == ROW_STATE_KEY:  # one value per row of the matrix view (matrix_view.py)
-            shape = (*view_shape(shape, transposed)[:-1], 1)
-            placements = row_placements(view_placements(placements, p.dim(), transposed), p.dim()) if placements else ()
+            shape, placements = row_state_layout(shape, placements, transposed)
         if not torch.is_tensor(value) or tuple(value.shape) != shape:
             got_shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
             raise ValueError(

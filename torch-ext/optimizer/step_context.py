@@ -36,7 +36,7 @@ from .qk_clip.plan import QKClipPlan, build_qk_clip_plan
 from .qk_clip.step import ClipStep, check_layer_gradients, check_step_logits, compute_clip_step, describe_nonfinite
 from .matrix_view import TRANSPOSED_KEY, transposed_for, view_placements, view_shape
 from .row_blocks import ROW_BLOCKS_KEY, RowBlocks, resolve_row_blocks, spec_for
-from .rule import row_state_dtype, work_dtype
+from .rule import normuon_on, row_state_dtype, work_dtype
 from .settings import MuonSettings
 from .tensors import is_dtensor, local_view
 
@@ -212,14 +212,13 @@ class StepContext:
                 ns_key = (e.group, e.name)  # its own orthogonalisation: never batched with others
                 cost = blocks_cost(blocks, cost)
         work = work_dtype(p, group)
-        normuon = group.get("normuon_beta2") is not None
         cuttable = group.get(ROW_BLOCKS_KEY) is None
         return PlanParam(
             name=e.name, shape=e.shape, layout=layout, wire_dtype=wire_dtype(compute, p),
             device=local_view(p).device, ns_key=ns_key, cost=cost,
             mesh=p.device_mesh if layout is not None else None,
             compute_itemsize=compute.itemsize, state_itemsize=work.itemsize,
-            row_bytes=row_state_dtype(work).itemsize if normuon else 0,
+            row_bytes=row_state_dtype(work).itemsize if normuon_on(group) else 0,
             # a unit with row blocks is orthogonalised whole, block by block (README: ns_split); a cut
             # NorMuon unit takes its row statistics from the whole matrix (rule.normuon_normalize_split)
             split=split_model(group, compute, local_view(p).device) if cuttable else None,

@@ -9,18 +9,16 @@ from collections.abc import MutableMapping
 
 import torch
 
-from .matrix_view import local_matrix, view_placements, view_shape
+from .matrix_view import local_matrix, row_state_layout
 from .parallel.runtime import gather_everything, run_parallel_muon
 from .parallel.stats import PipelineStats
 from .qk_clip.step import ClipStep
-from .distributed.placements import row_placements
-from .rule import (MatrixStep, NewtonSchulz, OwnerStage, adjust_lr, momentum_, momentum_dtype, row_state_dtype,
-                   work_dtype)
+from .rule import (MatrixStep, NewtonSchulz, OwnerStage, adjust_lr, momentum_, momentum_dtype, normuon_on,
+                   row_state_dtype, work_dtype)
 from .settings import MuonSettings
+from .state_layout import MOMENTUM_KEY, ROW_STATE_KEY
 from .step_context import StepContext
 from .tensors import is_dtensor, local_view
-
-MOMENTUM_KEY, ROW_STATE_KEY = "momentum_buffer", "normuon_v"
 
 
 def muon_update(context: StepContext, state: MutableMapping, settings: MuonSettings,
@@ -59,14 +57,13 @@ def row_state_like(p: torch.Tensor, dtype: torch.dtype, transposed: bool = False
     orientation, one value per output row); for a DTensor, a DTensor whose local rows are exactly
     the matrix view's (``row_placements``), so that ``state_dict()`` and DCP save, and reshard,
     it like the momentum."""
-    shape = (*view_shape(p.shape, transposed)[:-1], 1)
+    shape, placements = row_state_layout(p.shape, p.placements if is_dtensor(p) else (), transposed)
     if not is_dtensor(p):
         return torch.zeros(shape, dtype=dtype, device=p.device)
     from torch.distributed.tensor import DTensor
 
     local = local_matrix(local_view(p), transposed)
     stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-    placements = row_placements(view_placements(p.placements, p.dim(), transposed), p.dim())
     return DTensor.from_local(torch.zeros((*local.shape[:-1], 1), dtype=dtype, device=local.device), p.device_mesh,
                               placements, run_check=False, shape=shape, stride=stride)
 
@@ -79,7 +76,7 @@ def row_states(params: list[torch.Tensor], groups, transposed: list[bool],
     out = []
     for p, group, t in zip(params, groups, transposed):
         entry = state[p]
-        if group.get("normuon_beta2") is None:
+        if not normuon_on(group):
             entry.pop(ROW_STATE_KEY, None)
             out.append(None)
             continue
@@ -115,7 +112,7 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
     stages: dict[int, OwnerStage] = {}  # one per group: its matrices may share a batched call
     steps = []
     for i, (p, group) in enumerate(zip(params, groups)):
-        beta2 = group.get("normuon_beta2")
+        beta2 = group.get("normuon_beta2")  # None: Muon
         if context.row_blocks[i] is not None:  # its own stage: never batched with other weights
             stage = OwnerStage(_newton_schulz(group, settings), context.row_blocks[i], group["adjust_lr"], beta2)
         else:
