@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from ...muon import Muon
-from ...param_groups import MOE_ROUTER_PATTERN
+from ...model_facts import ModelFacts
+from ...param_groups import MOE_ROUTER_PATTERN, muon_choice_problems
+from ...roles import RoleRow, RoleTable, decide
 from ...qk_clip import QKClipConfig
 from ...row_blocks import ROW_BLOCKS_KEY, SplitQKV
 from ...settings import ADAMW, MUON, options_of
@@ -27,6 +30,7 @@ from ._torchtitan import OptimizersContainer, ParamGroupConfig, canonical_fqn
 from .layouts import AttentionLayout, TorchtitanQKRoles, attention_layouts, check_known_fused, single
 
 QKLogitsFn = Callable[[list[nn.Module]], Mapping[int, Tensor] | None]
+logger = logging.getLogger(__name__)
 
 # torchtitan 0.3 FQNs that belong on AdamW: embeddings (tok_embeddings), the output head
 # (lm_head; "output" in older releases), MoE routers (torchtitan's router.gate; the one router
@@ -363,6 +367,7 @@ class MuonOptimizersContainer(OptimizersContainer):
         """Muon param groups for one model part: torchtitan's first-match-wins regex grouping."""
         claimed: set[int] = set()
         groups = []
+        facts = None
         named = [(n, p) for n, p in part.named_parameters() if p.requires_grad]
         for pg in configs:
             if pg.optimizer_name not in ("Muon", "AdamW"):
@@ -384,6 +389,14 @@ class MuonOptimizersContainer(OptimizersContainer):
                     f"MuonOptimizersContainer: param group pattern '{pg.pattern}' matched no parameter of model "
                     f"part {part_index}; remove it or fix the pattern."
                 )
+            if pg.optimizer_name == "Muon":  # the roles' rule: what Muon cannot read as a matrix stays off it
+                facts = facts or ModelFacts(part)
+                problems = muon_choice_problems(part, matched, f"param group pattern '{pg.pattern}'", facts)
+                if problems:
+                    raise ValueError(
+                        "MuonOptimizersContainer: " + "\n".join(problems) + "\nMatch these parameters with an "
+                        "AdamW ParamGroupConfig placed before this one (first match wins)."
+                    )
             claimed.update(id(p) for _, p in matched)
             names = [canonical_fqn(n) for n, _ in matched]
             group = {"params": [p for _, p in matched], "param_names": names,
@@ -399,6 +412,9 @@ class MuonOptimizersContainer(OptimizersContainer):
                 f"{' ...' if len(missing) > 5 else ''} (model part {part_index}); end the list with a catch-all "
                 "pattern '.*'."
             )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("MuonOptimizersContainer: model part %d, where each parameter went\n%s", part_index,
+                         _role_table(part, groups, [pg.pattern for pg in configs], facts))
         return groups
 
     def _layers_with_q(self, groups: Sequence[dict]) -> set:
@@ -448,3 +464,14 @@ class MuonOptimizersContainer(OptimizersContainer):
             opt.step(qk_logits=None if logits is None or not layers else
                      {k: v for k, v in logits.items() if k in layers})
         return None
+
+
+def _role_table(part: nn.Module, groups: Sequence[dict], patterns: Sequence[str], facts) -> RoleTable:
+    """Each parameter's group (the pattern that claimed it) and its role by the roles' rule."""
+    facts = facts or ModelFacts(part)
+    return RoleTable(
+        RoleRow(name, tuple(p.shape), gi, "muon" if g["use_muon"] else "adamw", d.role,
+                f"pattern '{pattern}'; the role's rule: {d.rule}")
+        for gi, (g, pattern) in enumerate(zip(groups, patterns)) for name, p in zip(g["param_names"], g["params"])
+        for d in [decide(name, p, facts)]
+    )
