@@ -94,20 +94,20 @@ class Block(nn.Module):
 
 
 class TinyViT(nn.Module):
-    """Hand-written ViT: patch conv, ``cls_token [1, 1, D]``, ``pos_embed [1, N, D]``, a ``head``."""
+    """Hand-written ViT: patch conv, ``cls_token [1, 1, D]``, ``positions [1, N, D]``, a ``head``."""
 
     def __init__(self, d=16, patches=4, classes=3):
         super().__init__()
         self.patch = nn.Conv2d(3, d, 4, stride=4)
         self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.02)
-        self.pos_embed = nn.Parameter(torch.randn(1, patches + 1, d) * 0.02)
+        self.positions = nn.Parameter(torch.randn(1, patches + 1, d) * 0.02)
         self.blocks = nn.ModuleList([Block(d), Block(d)])
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, classes)
 
     def forward(self, img):
         x = self.patch(img).flatten(2).transpose(1, 2)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.positions
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x)[:, 0])
@@ -271,11 +271,11 @@ def test_named_3d_experts_still_go_to_muon_and_the_roles_say_why():
 
 @pytest.mark.parametrize("path", ["bare", "named", "model"])
 def test_vit_class_and_position_embeddings_go_to_adamw(path):
-    """``cls_token [1, 1, D]`` (a vector in disguise) and ``pos_embed [1, N, D]`` (broadcast over the
+    """``cls_token [1, 1, D]`` (a vector in disguise) and ``positions [1, N, D]`` (broadcast over the
     batch) to AdamW in every path; the patch Conv2d to AdamW; the blocks' Linear weights to Muon."""
     model = seeded(TinyViT)
     placed = where(groups_of(model, path))
-    for p in (model.cls_token, model.pos_embed, model.patch.weight):
+    for p in (model.cls_token, model.positions, model.patch.weight):
         assert placed[id(p)] is False, tuple(p.shape)
     hidden = [m.weight for m in model.blocks.modules() if isinstance(m, nn.Linear)]
     assert hidden and all(placed[id(w)] for w in hidden)
@@ -284,7 +284,8 @@ def test_vit_class_and_position_embeddings_go_to_adamw(path):
 def test_vit_roles_say_what_the_model_holds():
     model = seeded(TinyViT)
     roles = param_roles(model)
-    assert roles["cls_token"] == "vector" and roles["pos_embed"] == "embedding"
+    assert roles["cls_token"] == "vector" and roles["positions"] == "embedding"  # names that say nothing: by shape
+    assert "broadcast over the batch" in param_role_table(model).by_name()["positions"].rule
     assert roles["patch.weight"] == "conv" and roles["head.weight"] == "head"
     # the model's own forward: the head's output is what the model returns, cls and pos are added in
     img = torch.randn(2, 3, 8, 8)

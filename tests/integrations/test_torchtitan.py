@@ -639,7 +639,7 @@ def test_muon_patterns_cannot_claim_what_muon_cannot_read_as_a_matrix(caplog):
     assert message is not None
     assert "'stem.weight' of shape (8, 4, 3)" in message and "conv" in message
     assert "'gain' of shape (1, 8, 1)" in message and "vector in disguise" in message
-    assert "'mix.weight'" not in message and "AdamW ParamGroupConfig placed before this one" in message
+    assert "'mix.weight'" not in message and "AdamW ParamGroupConfig placed before the Muon one" in message
     groups = [ParamGroupConfig(pattern=r"^stem\.|^gain$", optimizer_name="AdamW"),
               ParamGroupConfig(pattern=".*", optimizer_name="Muon")]
     with caplog.at_level(logging.DEBUG, logger="optimizer.integrations.torchtitan.container"):

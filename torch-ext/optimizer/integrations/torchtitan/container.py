@@ -367,7 +367,6 @@ class MuonOptimizersContainer(OptimizersContainer):
         """Muon param groups for one model part: torchtitan's first-match-wins regex grouping."""
         claimed: set[int] = set()
         groups = []
-        facts = None
         named = [(n, p) for n, p in part.named_parameters() if p.requires_grad]
         for pg in configs:
             if pg.optimizer_name not in ("Muon", "AdamW"):
@@ -389,14 +388,6 @@ class MuonOptimizersContainer(OptimizersContainer):
                     f"MuonOptimizersContainer: param group pattern '{pg.pattern}' matched no parameter of model "
                     f"part {part_index}; remove it or fix the pattern."
                 )
-            if pg.optimizer_name == "Muon":  # the roles' rule: what Muon cannot read as a matrix stays off it
-                facts = facts or ModelFacts(part)
-                problems = muon_choice_problems(part, matched, f"param group pattern '{pg.pattern}'", facts)
-                if problems:
-                    raise ValueError(
-                        "MuonOptimizersContainer: " + "\n".join(problems) + "\nMatch these parameters with an "
-                        "AdamW ParamGroupConfig placed before this one (first match wins)."
-                    )
             claimed.update(id(p) for _, p in matched)
             names = [canonical_fqn(n) for n, _ in matched]
             group = {"params": [p for _, p in matched], "param_names": names,
@@ -412,9 +403,7 @@ class MuonOptimizersContainer(OptimizersContainer):
                 f"{' ...' if len(missing) > 5 else ''} (model part {part_index}); end the list with a catch-all "
                 "pattern '.*'."
             )
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("MuonOptimizersContainer: model part %d, where each parameter went\n%s", part_index,
-                         _role_table(part, groups, [pg.pattern for pg in configs], facts))
+        _check_roles(part, part_index, groups, [pg.pattern for pg in configs])
         return groups
 
     def _layers_with_q(self, groups: Sequence[dict]) -> set:
@@ -466,12 +455,21 @@ class MuonOptimizersContainer(OptimizersContainer):
         return None
 
 
-def _role_table(part: nn.Module, groups: Sequence[dict], patterns: Sequence[str], facts) -> RoleTable:
-    """Each parameter's group (the pattern that claimed it) and its role by the roles' rule."""
-    facts = facts or ModelFacts(part)
-    return RoleTable(
-        RoleRow(name, tuple(p.shape), gi, "muon" if g["use_muon"] else "adamw", d.role,
-                f"pattern '{pattern}'; the role's rule: {d.rule}")
-        for gi, (g, pattern) in enumerate(zip(groups, patterns)) for name, p in zip(g["param_names"], g["params"])
-        for d in [decide(name, p, facts)]
-    )
+def _check_roles(part: nn.Module, part_index: int, groups: Sequence[dict], patterns: Sequence[str]) -> None:
+    """The roles' rule over the patterns' choice (``optimizer.roles``): a Muon pattern may not claim
+    what Muon cannot read as a matrix (a convolution's kernel, a vector in disguise); the table of
+    where each parameter went, with its role, is logged at DEBUG level."""
+    facts = ModelFacts(part)
+    problems = [problem for g, pattern in zip(groups, patterns) if g["use_muon"]
+                for problem in muon_choice_problems(part, list(zip(g["param_names"], g["params"])),
+                                                    f"param group pattern '{pattern}'", facts)]
+    if problems:
+        raise ValueError("MuonOptimizersContainer: " + "\n".join(problems) + "\nMatch these parameters with an AdamW "
+                         "ParamGroupConfig placed before the Muon one (first match wins).")
+    if logger.isEnabledFor(logging.DEBUG):
+        table = RoleTable(
+            RoleRow(name, tuple(p.shape), gi, "muon" if g["use_muon"] else "adamw", d.role,
+                    f"pattern '{pattern}'; the role's rule: {d.rule}")
+            for gi, (g, pattern) in enumerate(zip(groups, patterns)) for name, p in zip(g["param_names"], g["params"])
+            for d in [decide(name, p, facts)])
+        logger.debug("MuonOptimizersContainer: model part %d, where each parameter went\n%s", part_index, table)
