@@ -291,32 +291,6 @@ def split_by_kind(group: dict, log: bool = True) -> list[dict]:
     return parts
 
 
-def torch_style_table(params) -> RoleTable:
-    """What ``Muon(params)`` does with each parameter: group, role, rule
-    (``optimizer.param_groups.param_role_table`` for a parameter list)."""
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    params = list(params)
-    groups = params if params and all(isinstance(g, dict) for g in params) else [{"params": params}]
-    rows, index = [], 0
-    for group in groups:
-        named, _ = _named_params(group)
-        if "use_muon" in group:
-            kind = "muon" if group["use_muon"] else "adamw"
-            rows += [RoleRow(_label(n, index, i), tuple(p.shape), index, kind, decide_torch_style(n, p.shape).role,
-                             f"explicit group (use_muon={group['use_muon']})") for i, (n, p) in enumerate(named)]
-            index += 1
-            continue
-        for part in split_by_kind(group, log=False):
-            part_named, _ = _named_params(part)
-            kind = "muon" if part["use_muon"] else "adamw"
-            for i, (n, p) in enumerate(part_named):
-                d = decide_torch_style(n, p.shape)
-                rows.append(RoleRow(_label(n, index, i), tuple(p.shape), index, kind, d.role, d.rule))
-            index += 1
-    return RoleTable(rows)
-
-
 def _named_params(group: dict) -> tuple[list[tuple[str | None, Any]], list[str] | None]:
     """``[(name or None, param)]`` of a group given as tensors, ``(name, tensor)`` pairs or with
     ``param_names``; and the ``param_names`` list, if any."""
@@ -327,10 +301,6 @@ def _named_params(group: dict) -> tuple[list[tuple[str | None, Any]], list[str] 
     names = group.get("param_names")
     named = [p if isinstance(p, tuple) else (None if names is None else names[i], p) for i, p in enumerate(params)]
     return named, names
-
-
-def _label(name: str | None, group: int, i: int) -> str:
-    return name if name is not None else f"param_groups[{group}]['params'][{i}]"
 
 
 def _log_torch_style(named, decisions) -> None:

@@ -74,7 +74,8 @@ from torch import Tensor, nn
 from .matrix_view import TRANSPOSED_KEY
 from .model_facts import ModelFacts
 from .roles import (HEAD_MODULE_NAMES, MOE_ROUTER_PATTERN, MUON_ROLES, ROLES, WRAPPER_SEGMENTS, Decision,  # noqa: F401
-                    RoleRow, RoleTable, canonical_param_name, decide, is_moe_router, refusal)
+                    RoleRow, RoleTable, canonical_param_name, decide, decide_torch_style, is_moe_router,
+                    refusal)
 from .row_blocks import ROW_BLOCKS_KEY, row_blocks_to_plain
 from .settings import ADAMW, options_of
 
@@ -196,9 +197,29 @@ def param_role_table(model_or_params, is_muon=None, **kwargs) -> RoleTable:
     if is_muon is not None or kwargs:
         raise ValueError("param_role_table: is_muon and grouping options apply to a model only; a parameter list "
                          "is grouped as Muon groups it")
-    from .muon import torch_style_table
+    return _torch_style_table(model_or_params)
 
-    return torch_style_table(model_or_params)
+
+def _torch_style_table(params) -> RoleTable:
+    """What ``Muon(params)`` does with each parameter (``Muon.add_param_group``: ``split_by_kind``)."""
+    from .muon import _named_params, split_by_kind
+
+    if isinstance(params, Tensor):
+        params = [params]
+    params = list(params)
+    groups = params if params and all(isinstance(g, dict) for g in params) else [{"params": params}]
+    rows, index = [], 0
+    for group in groups:
+        parts = [group] if "use_muon" in group else split_by_kind(group, log=False)
+        for part in parts:
+            kind = "muon" if part["use_muon"] else "adamw"
+            for i, (n, p) in enumerate(_named_params(part)[0]):
+                d = decide_torch_style(n, p.shape)
+                rule = f"explicit group (use_muon={part['use_muon']})" if "use_muon" in group else d.rule
+                rows.append(RoleRow(n if n is not None else f"param_groups[{index}]['params'][{i}]", tuple(p.shape),
+                                    index, kind, d.role, rule))
+            index += 1
+    return RoleTable(rows)
 
 
 def _groups_and_table(model, is_muon, adamw_options, no_decay, fused_gate_up, example_inputs,
