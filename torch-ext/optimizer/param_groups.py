@@ -73,9 +73,10 @@ from torch import Tensor, nn
 
 from .matrix_view import TRANSPOSED_KEY
 from .model_facts import ModelFacts
-from .roles import (HEAD_MODULE_NAMES, MOE_ROUTER_PATTERN, MUON_ROLES, ROLES, WRAPPER_SEGMENTS, Decision,  # noqa: F401
-                    RoleRow, RoleTable, canonical_param_name, decide, decide_torch_style, is_moe_router,
-                    refusal)
+from .roles import Decision, RoleRow, RoleTable, decide, decide_torch_style, refusal
+# the names this module has always offered (tests, the torchtitan adapter), now defined in roles.py
+from .roles import HEAD_MODULE_NAMES, MOE_ROUTER_PATTERN, MUON_ROLES, ROLES, WRAPPER_SEGMENTS  # noqa: F401
+from .roles import canonical_param_name, is_moe_router  # noqa: F401
 from .row_blocks import ROW_BLOCKS_KEY, row_blocks_to_plain
 from .settings import ADAMW, options_of
 
