@@ -48,7 +48,7 @@ def test_relative_links_resolve(path):
     assert not problems, "\n".join(problems)
 
 
-def test_the_docs_link_to_each_other():
+def test_the_readme_maps_every_doc():
     """README maps docs/: every docs/*.md is linked from README.md."""
     linked = {os.path.normpath(t.partition("#")[0]) for _, t in doc_files.links(doc_files.read("README.md"))}
     orphans = [p for p in doc_files.doc_paths() if p.startswith("docs/") and p not in linked]
