@@ -642,7 +642,7 @@ def test_muon_patterns_cannot_claim_what_muon_cannot_read_as_a_matrix(caplog):
     assert "'mix.weight'" not in message and "AdamW ParamGroupConfig placed before the Muon one" in message
     groups = [ParamGroupConfig(pattern=r"^stem\.|^gain$", optimizer_name="AdamW"),
               ParamGroupConfig(pattern=".*", optimizer_name="Muon")]
-    with caplog.at_level(logging.DEBUG, logger="optimizer.integrations.torchtitan.container"):
+    with caplog.at_level(logging.DEBUG, logger="optimizer.integrations.torchtitan"):
         opts = container_config(param_groups=groups).build(model_parts=[_ConvPart()])
     assert [(g["use_muon"], g["param_names"]) for g in opts.optimizers[0].param_groups] == [
         (False, ["gain", "stem.weight", "stem.bias"]), (True, ["mix.weight"])]
