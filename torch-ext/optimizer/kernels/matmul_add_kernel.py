@@ -6,7 +6,7 @@ does cuBLAS's ``addmm``/``baddbmm(beta=a)``, which also fuses the ``a X`` term i
 (it reads C once while writing the result): the same FLOPs and bytes. The ``"auto"`` backend
 therefore keeps torch (cuBLAS) for this product on CUDA; this kernel is the ``"triton"`` backend's,
 tested under the interpreter like the symmetric one, and timed against cuBLAS by
-``benchmarks/kernel_tiles.py`` so the choice can be revisited on a GPU (docs/kernels.md).
+``benchmarks/ns_kernels.py`` so the choice can be revisited on a GPU (docs/kernels.md).
 
 Operands as in symmetric_kernel.py (any strides, fp16/bf16/fp32, fp32 accumulation, C and the
 output of any of those dtypes). Tiles are walked in groups of ``group_m`` tile rows so that

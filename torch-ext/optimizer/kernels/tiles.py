@@ -8,7 +8,7 @@ the same shape; a tile changes how the K sum is split and so the last bits of th
 distributed path promises the same bits as single-device Muon. A pure function of (kind, sizes,
 dtype, compute capability, SM count) gives the same answer everywhere, costs one compile per
 config actually used (Triton caches binaries on disk across processes) and is cached here with
-``lru_cache``. ``benchmarks/kernel_tiles.py`` times every candidate on a GPU, to check or re-fit the
+``lru_cache``. ``benchmarks/ns_kernels.py`` times every candidate on a GPU, to check or re-fit the
 rule; the rule below was written without a GPU (see docs/kernels.md).
 
 Under ``TRITON_INTERPRET=1`` (CPU tensors, how the tests run every kernel) one small fixed tile
