@@ -198,5 +198,7 @@ def test_tile_rule():
     assert choose_tiles("symmetric", 16, 1024, 1024, 4096, bf16, *h100) == large
     assert choose_tiles("general", 1, 1024, 4096, 1024, bf16, *h100) == large  # 8 x 32 tiles
     assert choose_tiles("symmetric", 1, 4096, 4096, 14336, fp32, *h100) == CUDA_CANDIDATES["fp32"]
+    a100 = choose_tiles("symmetric", 1, 4096, 4096, 14336, bf16, (8, 0), 108)
+    assert (a100.block_m, a100.block_k, a100.num_stages) == (128, 64, 3)  # 164 KiB of shared memory
     for tiles in CUDA_CANDIDATES.values():
         assert tiles.block_m == tiles.block_n and min(tiles.block_m, tiles.block_k) >= 16

@@ -152,27 +152,36 @@ def test_other_tile_sizes():
 
 
 @triton.jit
-def _number_tiles(out_i, out_j, BLOCK: tl.constexpr):
-    pid = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    i, j = _triangle_tile(pid)
-    tl.store(out_i + pid, i)
-    tl.store(out_j + pid, j)
+def _number_tiles(pids, out_i, out_j, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i, j = _triangle_tile(tl.load(pids + offsets))
+    tl.store(out_i + offsets, i)
+    tl.store(out_j + offsets, j)
 
 
 def test_triangle_numbering():
-    """Program ids walk the lower triangle row by row, pid = i (i + 1) / 2 + j with j <= i, for
-    the first 2^22 ids (tile rows 0 to 2,896; a 16,384-wide output at 128-wide tiles has 128 rows),
-    past 8 pid + 1 = 2^24, where fp32 stops holding every integer: the integer correction of the
-    float square root's guess holds there too."""
-    block, programs = 1 << 20, 4
-    count = block * programs
-    i, j = torch.empty(count, dtype=torch.int32), torch.empty(count, dtype=torch.int32)
-    _number_tiles[(programs,)](i, j, BLOCK=block)
-    rows = torch.arange(2897)
-    expected_i = torch.repeat_interleave(rows, rows + 1)[:count]
-    starts = rows * (rows + 1) // 2
-    expected_j = torch.arange(count) - starts[expected_i]
-    assert torch.equal(i.long(), expected_i) and torch.equal(j.long(), expected_j)
+    """Program ids walk the lower triangle row by row, pid = i (i + 1) / 2 + j with j <= i: every
+    id below 2^16, and the first and last id of every tile row up to the launcher's limit of 2^28
+    tiles (8 pid + 1 < 2^31), where fp32 holds only every 256th integer and the float square
+    root's guess is off by one at many row ends: the integer correction must fix it."""
+    rows = torch.arange(1, 23170)
+    firsts = rows * (rows + 1) // 2
+    pids = torch.cat([torch.arange(1 << 16), firsts, firsts - 1])
+    expected_i = torch.cat([torch.repeat_interleave(torch.arange(362), torch.arange(1, 363))[: 1 << 16], rows, rows - 1])
+    expected_j = torch.cat([torch.arange(1 << 16) - expected_i[: 1 << 16] * (expected_i[: 1 << 16] + 1) // 2,
+                            torch.zeros_like(rows), rows - 1])
+    assert int(pids.max()) < 1 << 28 == symmetric_kernel.MAX_TILES
+    block = 1 << 16
+    padded = torch.zeros(-(-len(pids) // block) * block, dtype=torch.int32)
+    padded[: len(pids)] = pids
+    i, j = torch.empty_like(padded), torch.empty_like(padded)
+    _number_tiles[(len(padded) // block,)](padded, i, j, BLOCK=block)
+    assert torch.equal(i[: len(pids)].long(), expected_i) and torch.equal(j[: len(pids)].long(), expected_j)
+
+
+def test_too_many_tiles_is_refused_before_launch():
+    with pytest.raises(ValueError, match="2\\^28 tiles"):
+        symmetric_matmul_triton(torch.empty(46340, 1), torch.empty(1, 46340), tiles=Tiles(2, 2, 16, 1, 1))
 
 
 def test_lower_mirrored_helper():

@@ -41,6 +41,9 @@ INTERPRETED = interpreting()
 
 # Grid axis 1 (the batch) is limited to 65,535 on CUDA.
 MAX_BATCH_PER_LAUNCH = 65_535
+# Tiles of one triangle: the tile numbering computes 8 pid + 1 in int32 (a 741,000-row output at
+# 32-wide tiles; 128-wide tiles reach it at 2.9 million rows).
+MAX_TILES = 1 << 28
 
 
 @triton.jit
@@ -140,6 +143,8 @@ def symmetric_matmul_triton(
     if tiles.block_m != tiles.block_n:
         raise ValueError(f"symmetric_matmul: tiles must be square, got {tiles}")
     rows = -(-m // tiles.block_m)
+    if rows * (rows + 1) // 2 >= MAX_TILES:
+        raise ValueError(f"symmetric_matmul: {m} rows at {tiles.block_m}-wide tiles make 2^28 tiles or more; use larger tiles")
     for first in range(0, batch, MAX_BATCH_PER_LAUNCH):
         part = slice(first, first + MAX_BATCH_PER_LAUNCH)
         l, r, c, o = L3[part], R3[part], C3[part], O3[part]

@@ -17,7 +17,7 @@ keeps the interpreted grid cheap while shapes like 37 x 53 still span several pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -43,7 +43,8 @@ INTERPRETER_TILES = Tiles(32, 32, 32, num_warps=1, num_stages=1)
 
 # Candidates on NVIDIA GPUs of compute capability >= 8.0 (A100, H100, H200; Triton's tl.dot
 # lowers to mma on sm80 and wgmma on sm90). Shared memory per stage at 128 x 128 x 64 in 16-bit:
-# 32 KiB, so 4 stages fit both A100 (164 KiB) and H100 (228 KiB).
+# 32 KiB; 4 stages (128 KiB) plus the epilogue's 32 KiB transpose fit H100's 228 KiB; A100's
+# 164 KiB gets 3 stages (choose_tiles).
 CUDA_CANDIDATES: dict[str, Tiles] = {
     "large16": Tiles(128, 128, 64, num_warps=8, num_stages=4),
     "small16": Tiles(64, 64, 64, num_warps=4, num_stages=4),
@@ -62,8 +63,9 @@ def choose_tiles(
     tiles) or ``"general"`` (m x n); ``capability`` None means the interpreter.
 
     The rule: 128-wide tiles, unless the grid they give has fewer tiles than the GPU has SMs (a
-    1024 x 1024 output has 36 triangle tiles at 128 on 132 SMs, 136 at 64), then 64-wide. fp32
-    uses its own FMA-sized tile. Pure and cached: the same answer on every rank.
+    1024 x 1024 output has 36 triangle tiles at 128 on 132 SMs, 136 at 64), then 64-wide; at most
+    3 pipeline stages before sm90. fp32 uses its own FMA-sized tile. Pure and cached: the same
+    answer on every rank.
     """
     if capability is None:
         return INTERPRETER_TILES
@@ -72,10 +74,13 @@ def choose_tiles(
     large = CUDA_CANDIDATES["large16"]
     if kind == "symmetric":
         rows = -(-m // large.block_m)
-        tiles = batch * rows * (rows + 1) // 2
+        count = batch * rows * (rows + 1) // 2
     else:
-        tiles = batch * -(-m // large.block_m) * -(-n // large.block_n)
-    return large if tiles >= sm_count else CUDA_CANDIDATES["small16"]
+        count = batch * -(-m // large.block_m) * -(-n // large.block_n)
+    tiles = large if count >= sm_count else CUDA_CANDIDATES["small16"]
+    if capability < (9, 0):
+        tiles = replace(tiles, num_stages=min(tiles.num_stages, 3))
+    return tiles
 
 
 def tile_rows(m: int, tiles: Tiles) -> int:
