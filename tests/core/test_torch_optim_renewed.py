@@ -200,10 +200,11 @@ ADAMW_STATE = {"step", "exp_avg", "exp_avg_sq"}
 # =============================================================================================
 
 
-def test_errors():
+def test_errors(caplog):
     """torch's error inputs for Muon: the same error type (and torch's message, or ours naming the
     culprit). Adapted: torch refuses a 3-D parameter ("Muon only supports 2D parameters"); ours
-    takes it as an expert stack [E, out, in], so that input must construct and step. torch raises
+    sends an unnamed 3-D tensor (an expert stack or a conv kernel: ambiguous) to AdamW with a
+    warning naming it (issue 30), so that input must construct and step. torch raises
     RuntimeError at step() for a complex parameter; ours refuses it at construction with a
     ValueError naming it (either is accepted: both refuse before anything changes)."""
     from torch.testing._internal.common_optimizers import OptimizerErrorEnum, optim_error_inputs_func_muon
@@ -216,10 +217,15 @@ def test_errors():
     for error_input in optim_error_inputs_func_muon(device="cpu", dtype=torch.float32):
         inp = error_input.optimizer_error_input
         seen.add(inp.desc)
-        if inp.desc == "only support 2D parameters":  # ours: a 3-D expert stack
-            opt = Muon(inp.params, **inp.kwargs)
+        if inp.desc == "only support 2D parameters":  # ours: ambiguous 3-D, AdamW and a warning
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="optimizer.muon"):
+                opt = Muon(inp.params, **inp.kwargs)
             opt.step()
-            assert set(opt.state[inp.params[0]]) == MUON_STATE
+            assert set(opt.state[inp.params[0]]) == ADAMW_STATE
+            shape = str(tuple(inp.params[0].shape))
+            assert [r for r in caplog.records if r.levelno == logging.WARNING and shape in r.getMessage()
+                    and "went to AdamW" in r.getMessage()]
             continue
         if inp.desc == "does not support complex parameters":
             with pytest.raises((ValueError, RuntimeError), match="complex"):
@@ -981,14 +987,18 @@ MIXED_FORMS = {
 
 @pytest.mark.parametrize("form", list(MIXED_FORMS))
 def test_non_matrices_go_to_adamw_as_with_explicit_groups(form):
-    """Each parameter goes to Muon if it is a matrix (2-D, or a 3-D expert stack) and to AdamW
-    otherwise; the result equals explicit ``use_muon`` groups (with torch's default
+    """Each parameter goes to Muon if it is a matrix (2-D, or a 3-D expert stack where its name
+    says so: ``named_parameters()``) and to AdamW otherwise (an unnamed 3-D tensor is ambiguous:
+    AdamW, issue 30); the result equals explicit ``use_muon`` groups (with torch's default
     ``adjust_lr="original"``, which torch-style input gets), and the 2-D weights equal
     torch.optim.Muon's."""
     model, explicit, ref = Mixed(), Mixed(), Mixed()
     opt = Muon(MIXED_FORMS[form](model), lr=0.02)
-    explicit_opt = Muon([{"params": explicit.matrices(), "use_muon": True, "adjust_lr": "original"},
-                         {"params": explicit.others(), "use_muon": False}], lr=0.02)
+    named = form == "named"
+    muon_of = (lambda m: m.matrices()) if named else (lambda m: [m.up.weight, m.down.weight])
+    adamw_of = (lambda m: m.others()) if named else (lambda m: [m.experts, *m.others()])
+    explicit_opt = Muon([{"params": muon_of(explicit), "use_muon": True, "adjust_lr": "original"},
+                         {"params": adamw_of(explicit), "use_muon": False}], lr=0.02)
     torch_opt = torch.optim.Muon([ref.up.weight, ref.down.weight], lr=0.02)
     for t in range(4):
         for m in (model, explicit, ref):
@@ -997,9 +1007,9 @@ def test_non_matrices_go_to_adamw_as_with_explicit_groups(form):
         opt.step()
         explicit_opt.step()
         torch_opt.step()
-    for p in model.matrices():
+    for p in muon_of(model):
         assert set(opt.state[p]) == MUON_STATE, tuple(p.shape)
-    for p in model.others():
+    for p in adamw_of(model):
         assert set(opt.state[p]) == ADAMW_STATE, tuple(p.shape)
     assert_params_close(list(model.parameters()), list(explicit.parameters()), what="vs explicit groups")
     assert_params_close([model.up.weight, model.down.weight], [ref.up.weight, ref.down.weight], what="vs torch")
@@ -1015,7 +1025,8 @@ def test_torch_style_input_recommends_default_groups_once(caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="optimizer.muon")  # whatever level earlier tests left it at
 
     def notes():
-        return [r for r in caplog.records if "get_default_muon_param_groups" in r.getMessage()]
+        return [r for r in caplog.records if "get_default_muon_param_groups" in r.getMessage()
+                and r.levelno == logging.INFO]  # not the warning about ambiguous 3-D tensors (test_roles.py)
 
     model = Mixed()
     Muon([{"params": model.matrices(), "use_muon": True}, {"params": model.others(), "use_muon": False}], lr=0.02)

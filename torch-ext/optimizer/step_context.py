@@ -219,7 +219,7 @@ class StepContext:
             mesh=p.device_mesh if layout is not None else None,
             compute_itemsize=compute.itemsize, state_itemsize=work.itemsize,
             row_bytes=row_state_dtype(work).itemsize if normuon_on(group) else 0,
-            # a unit with row blocks is orthogonalised whole, block by block (README: ns_split); a cut
+            # a unit with row blocks is orthogonalised whole, block by block (docs/parallel.md: ns_split); a cut
             # NorMuon unit takes its row statistics from the whole matrix (rule.normuon_normalize_split)
             split=split_model(group, compute, local_view(p).device) if cuttable else None,
         )
