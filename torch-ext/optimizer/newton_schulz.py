@@ -32,6 +32,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
+from .ns_kernels import resolve as resolve_kernels
+
 Coefficients = tuple[float, float, float]
 CoefficientSpec = Union[str, Coefficients, Sequence[Coefficients]]
 
@@ -288,6 +290,7 @@ def zeropower_via_newtonschulz(
     compute_dtype: torch.dtype | None = None,
     norm_safety: float | None = None,
     method: str = "auto",
+    kernels: str = "auto",
 ) -> Tensor:
     """Approximately orthogonalise every matrix in ``G`` (shape ``[..., m, n]``).
 
@@ -297,8 +300,9 @@ def zeropower_via_newtonschulz(
     needs, else 1), rounding once to the compute dtype; tall matrices are transposed
     so the Gram matrix ``X X^T`` is the small one. ``method`` is ``"classic"``, ``"gram"`` or
     ``"auto"`` (:func:`choose_ns_method`; the two forms compute the same polynomial and differ
-    in rounding only). Returns a tensor of ``G``'s shape in the compute dtype (default
-    :func:`default_compute_dtype` of ``G``'s device).
+    in rounding only). ``kernels`` (``optimizer.ns_kernels``) says what runs the products: the
+    Triton kernels of :mod:`optimizer.kernels` or torch's matmuls. Returns a tensor of ``G``'s shape
+    in the compute dtype (default :func:`default_compute_dtype` of ``G``'s device).
     """
     if G.ndim < 2:
         raise ValueError(
@@ -316,12 +320,20 @@ def zeropower_via_newtonschulz(
     if G.numel() == 0:
         return torch.zeros(shape, dtype=dtype, device=G.device)
     form = choose_ns_method(shape, ns_steps, method, dtype, steps)
+    impl = resolve_kernels(kernels, G.device, dtype)
 
     X = _normalised(G, dtype, norm_safety, eps)  # [batch, s, l], s <= l
     single = X.shape[0] == 1
     if single:  # 2-D kernels (mm/addmm) for the common unbatched case
         X = X[0]
-    if form == "gram":
+    if impl == "triton":
+        from .kernels import newton_schulz as on_kernels
+
+        if form == "gram":
+            X = on_kernels.gram_iterations(X, steps, gram_restart_plan(steps, ns_steps, dtype), backend="triton")
+        else:
+            X = on_kernels.classic_iterations(X, steps, backend="triton")
+    elif form == "gram":
         X = _gram_iterations(X, steps, gram_restart_plan(steps, ns_steps, dtype))
     else:
         X = _classic_iterations(X, steps)
