@@ -52,8 +52,9 @@ RECORDED = {
     "2.13": {"inputs": _INPUTS_2_9, "error_inputs": _ERRORS_2_9},
     "2.15": {
         "inputs": _INPUTS_2_9 + ("match_rms_adamw lr adjustment", "spectral_unclamped lr adjustment"),
-        "error_inputs": tuple(d if d != "only support `original` and `match_rms_adamw`" else "unsupported adjust_lr_fn"
-                              for d in _ERRORS_2_9),
+        "error_inputs": _ERRORS_2_9[:2] + ("warn on a bare unordered set of params",) + tuple(
+            d if d != "only support `original` and `match_rms_adamw`" else "unsupported adjust_lr_fn"
+            for d in _ERRORS_2_9[2:]),
     },
 }
 
