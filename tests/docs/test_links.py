@@ -13,7 +13,6 @@ import doc_files
 # land.  Remove a name here when its file is committed (then its links and anchors are checked).
 EXPECTED_SOON = {
     "docs/newton_schulz.md",  # Newton–Schulz forms, the 16-bit Gram form (issue 28)
-    "docs/torch_versions.md",  # supported torch releases (issue 32)
     "docs/scale.md",  # balance at 1,024 GPUs (issue 29)
 }
 

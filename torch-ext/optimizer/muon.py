@@ -142,6 +142,26 @@ class Muon(Optimizer):
                     loss = closure()
             except Exception as err:  # noqa: BLE001 - re-raised after the ranks agree
                 closure_error = err
+        context, clip = self._begin_step(qk_logits, closure_error)
+        if context is None:
+            return loss
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                adamw_group_step_(group, self.state)
+        self._record_stats(muon_update(context, self.state, self.settings, clip))
+        return loss
+
+    # Everything in a step but the arithmetic runs eagerly, also under ``torch.compile(opt.step)``:
+    # it holds the agreement's collective and host read-back (graph breaks anyway), and it sets
+    # attributes on the optimizer, which dynamo mishandles after a graph break (in the resumed
+    # frame): torch 2.11 raises "Attempted setattr on a user-defined object that does not have an
+    # AttributeMutation mutation_type", torch 2.13 silently drops the write (``last_step_skipped``
+    # stayed False for a skipped step).  tests/core/test_compile.py checks both on each release.
+
+    @torch.compiler.disable
+    def _begin_step(self, qk_logits, closure_error):
+        """The ranks agree; then ``(context, QK-clip's step facts)``, or ``(None, None)`` when the
+        step is skipped.  Sets ``last_step_skipped`` and ``qk_clip_report``."""
         follow_momentum_schedule(self.param_groups)
         qk_logits = self._logits_for_step(qk_logits)
         context, facts, outcome = self._agree(qk_logits, closure_error)
@@ -153,15 +173,15 @@ class Muon(Optimizer):
             self.qk_clip_report = None
             logger.warning("Muon: skipped step: %d of %d ranks saw a non-finite Muon gradient (skip_nonfinite=True)",
                            outcome.counts["nonfinite_grads"], outcome.ranks)
-            return loss
+            return None, None
         self.qk_clip_report = facts.clip.report if facts.clip is not None else None
         if self.qk_clip_report is not None:
             log_report(self.qk_clip_report)
-        for group in self.param_groups:
-            if not group["use_muon"]:
-                adamw_group_step_(group, self.state)
-        self.last_step_stats = muon_update(context, self.state, self.settings, facts.clip)
-        return loss
+        return context, facts.clip
+
+    @torch.compiler.disable
+    def _record_stats(self, stats: PipelineStats) -> None:
+        self.last_step_stats = stats
 
     def _agree(self, qk_logits, closure_error):
         """This rank's view of the step, then the one all-reduce (see ``step_context.py``)."""
