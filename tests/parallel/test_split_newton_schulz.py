@@ -20,6 +20,8 @@ accuracy (measured here; bounds asserted below):
   element changes by one bf16 ulp, and lies 1-2e-2 from the fp32 result; the split's rms error
   against fp32 is 1.1-1.3x the unsplit's (median over cases; at most 1.9x, at 8 ranks).
   Asserted (2 and 4 ranks): max 5e-2, rms 8e-3, rms error against fp32 at most 2.5x the unsplit's.
+* fp16 (reads and returns bf16; partial Gram matrices from each block scaled by its own norm):
+  max |split - unsplit| one bf16 ulp (3.9e-3), rms 6.4e-4; asserted 1e-2 and 1.5e-3.
 """
 
 from __future__ import annotations
@@ -245,6 +247,39 @@ def test_split_bf16_is_as_close_as_bf16_rounding_allows(k):
         assert rms_dev <= 8e-3
         # the split's error against fp32 is the unsplit bf16 error's size (measured <= 1.9x)
         assert rms_split <= 2.5 * rms_unsplit, (rms_split, rms_unsplit)
+
+
+def _fp16_cases(rank, k):
+    """Per case: max |split - unsplit|, their sum of squares and element count, whether the split is
+    finite, and max |split of 2^20 G - split of G| (a power-of-two scale divides out exactly)."""
+    out = []
+    for name in ("wide", "tall", "batched"):
+        for coef in ("fixed", "polar_express"):
+            for method in ("gram", "classic"):
+                G = make_matrix("randn", SHAPES[name], seed=3)
+                widths = [s.stop - s.start for s in column_blocks(max(SHAPES[name][-2:]), k)]
+                split, ref = run_case(rank, k, G, widths, 5, coef, method, "auto", dtype=torch.float16)
+                big, _ = run_case(rank, k, G * 2.0**20, widths, 5, coef, method, "auto", dtype=torch.float16)
+                out.append(((split - ref).abs().max().item(), (split - ref).pow(2).sum().item(), split.numel(),
+                            bool(torch.isfinite(big).all()), (big - split).abs().max().item()))
+    return out
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_split_fp16_is_as_close_as_16bit_rounding_allows_and_keeps_fp32s_range(k):
+    """fp16 (the Gram form's dtype on CUDA by default) reads and returns bf16 like the unsplit
+    call; each member forms its partial Gram matrix from its block scaled by its own norm (entries
+    of 4e6 would overflow fp16's 65504 unscaled) and scales it back in fp32. Another rounding path
+    than the unsplit product, rounded to the same bf16 output: measured (2, 4 and 8 ranks) max
+    |split - unsplit| 3.9e-3 (one bf16 ulp at 0.5-1), rms 6.4e-4; asserted 1e-2 and 1.5e-3.
+    Scaling G by 2^20 changes nothing, bit for bit (casting the unscaled block to fp16 first, as
+    bf16 and fp32 do, gave inf)."""
+    per_rank = run_ranks(_fp16_cases, k, timeout=TIMEOUT)
+    for case in zip(*per_rank):
+        count = sum(c[2] for c in case)
+        assert max(c[0] for c in case) <= 1e-2
+        assert math.sqrt(sum(c[1] for c in case) / count) <= 1.5e-3
+        assert all(c[3] for c in case) and max(c[4] for c in case) == 0
 
 
 # ----------------------------------------------------------------------------- the tests can fail
