@@ -218,6 +218,36 @@ def test_groups_of_a_larger_world_split_different_matrices_at_once():
     assert max(run_ranks(_two_groups, 4, timeout=TIMEOUT)) <= FP32_TOL
 
 
+def _auto_form(rank, k):
+    """The replicated matrices one split run records (A and B per classic step; A and Q per Gram
+    segment), and its deviation from the unsplit call, for shapes whose blocks alone would pick
+    the other form (64 x 256 is the Gram form, its 64 x 128 blocks the classic one)."""
+    out = []
+    for shape, dtype in (((64, 256), torch.float32), ((256, 64), torch.float32), ((64, 256), torch.float16)):
+        G = make_matrix("randn", shape, seed=4)
+        Gt, _ = short_side_first(G)
+        widths = [s.stop - s.start for s in column_blocks(Gt.shape[-1], k)]
+        record: list = []
+        block = _split_ns(Gt[..., blocks_of(widths)[rank]].contiguous(), widths, None, 5, "fixed", 1e-7, dtype, None,
+                          "auto", "auto", None, record)
+        out.append((len(record), block.dtype))
+    return out
+
+
+def test_auto_takes_the_whole_matrixs_form_not_the_blocks():
+    """"auto" chooses on the whole matrix's shape, as the unsplit call does: the Gram form (fp32:
+    one 5-step segment, A and Q recorded; fp16: (2, 2, 1), 2 + 2 + 2), not the classic form its
+    blocks alone would get (10 matrices: A and B per step)."""
+    from optimizer.newton_schulz import choose_ns_method, gram_restart_plan
+
+    assert choose_ns_method((64, 128), 5, "auto", torch.float32) == "classic"
+    assert choose_ns_method((64, 256), 5, "auto", torch.float32) == "gram"
+    assert choose_ns_method((64, 128), 5, "auto", torch.float16) == "classic"
+    assert gram_restart_plan("fixed", 5, torch.float16) == (2, 2, 1)
+    for got in run_ranks(_auto_form, 2, timeout=TIMEOUT):
+        assert got == [(2, torch.float32), (2, torch.float32), (6, torch.bfloat16)]
+
+
 # ----------------------------------------------------------------------------- bf16
 
 
