@@ -1,9 +1,11 @@
-"""The Gram-space Newton-Schulz form, its restart plan, the per-shape choice, and the fp32 norm.
+"""The Gram-space Newton-Schulz form, its restart plan, the per-shape choice of form and dtype, the
+16-bit band, fp16's range, and the fp32 norm (docs/newton_schulz.md).
 
 References, all independent of the code under test: an fp64 SVD (the polar factor U V^T of the
 input, and its singular values pushed through the NS polynomials in float64, ``scalar_ns``), the
-classic form run in the same dtype (what the Gram form must match), torch's FlopCounterMode, and
-Dao et al.'s published restart choice for fp16 Polar Express.
+classic form run in the same dtype (what the Gram form must match), the classic 16-bit
+iterations written here (the band), torch's FlopCounterMode, and Dao et al.'s published restart
+choice for fp16 Polar Express.
 
 Stated accuracy (measured at these sizes, s = 16..64 and aspect ratios 1..8; the bounds asserted
 below leave about 2x margin):
@@ -15,8 +17,9 @@ below leave about 2x margin):
   segments of 5): singular values within 4e-3 of the fp64 iteration (classic: 2e-4), 1.3e-2 for
   condition number 1e6.
 * bf16: every Gram segment is one step, i.e. the classic iteration, bit for bit (see
-  newton_schulz._GRAM_STEP_ERROR_LIMIT). fp16, whose plan has 2-step segments (and bf16 Polar
-  Express past 5 steps): singular values within 0.05 of the classic form's band.
+  newton_schulz._GRAM_STEP_ERROR_LIMIT). fp16, whose plan has 2-step segments: singular values
+  within 0.05 of the classic form's band, and within the 16-bit band (the classic bf16 or fp16
+  iteration's own error) on the restart study's inputs (see the band tests for their figures).
 """
 
 import math
@@ -729,11 +732,13 @@ def test_auto_is_gram_exactly_where_it_saves_enough_flops(dtype, name, steps):
 def test_auto_runs_the_chosen_form():
     for shape, dtype, form in [((64, 256), torch.float32, "gram"), ((256, 64), torch.float32, "gram"),
                                ((24, 96), torch.float32, "classic"),  # saves too little to pay for its kernels
-                               ((48, 64), torch.float32, "classic"), ((64, 256), torch.bfloat16, "classic")]:
+                               ((48, 64), torch.float32, "classic"), ((64, 256), torch.bfloat16, "classic"),
+                               ((64, 256), torch.float16, "gram"), ((48, 64), torch.float16, "classic")]:
         G = torch.randn(shape)
         with FlopCounterMode(display=False) as counter:
             out = zeropower_via_newtonschulz(G, 5, compute_dtype=dtype)
         assert counter.get_total_flops() == newton_schulz_flops(shape, 5, form, dtype)
+        assert out.dtype == ns_io_dtype(G.dtype, dtype)
         assert torch.equal(out, zeropower_via_newtonschulz(G, 5, compute_dtype=dtype, method=form))
 
 
