@@ -530,14 +530,16 @@ def test_the_form_and_its_dtype_per_compute_dtype_and_device():
 
 def test_the_cuda_default_keeps_tables_that_leave_fp16s_range_out_of_fp16():
     """A coefficient table whose iterates grow past fp16's range (with 2^8 to spare) never runs in
-    fp16 unless the user asks for fp16: "auto" with compute_dtype None keeps the classic form in
-    bf16 for it."""
+    fp16 unless the user asks for fp16: with compute_dtype None, "auto" keeps the classic form in
+    bf16 for it, and a forced Gram form runs in bf16 (one-step segments)."""
     grows, mild = [(4.0, 0.0, 0.0)] * 5, [(1.5, 0.0, 0.0)] * 5  # X grows by 4^5 = 1024 / 1.5^5 = 7.6
     limit = torch.finfo(torch.float16).max / 2**8
     assert ns_value_bound(grows, 5, gram_restart_plan(grows, 5, torch.float16)) > limit
     assert ns_value_bound(mild, 5, gram_restart_plan(mild, 5, torch.float16)) <= limit
     assert choose_ns_form((1024, 4096), 5, "auto", None, grows, "cuda") == ("classic", torch.bfloat16)
     assert choose_ns_form((1024, 4096), 5, "auto", None, mild, "cuda") == ("gram", torch.float16)
+    assert choose_ns_form((1024, 4096), 5, "gram", None, grows, "cuda") == ("gram", torch.bfloat16)
+    assert newton_schulz_flops((1024, 4096), 5, "gram", None, grows, "cuda") == newton_schulz_flops((1024, 4096), 5)
     assert choose_ns_form((1024, 4096), 5, "auto", torch.float16, grows, "cuda") == ("gram", torch.float16)
 
 

@@ -395,7 +395,7 @@ def newton_schulz_flops(
 
     * classic: per step ``X X^T`` (s*s*l), ``A @ A`` (s^3) and ``B @ X`` (s*s*l) multiply-adds.
     * gram: per segment of L steps (:func:`gram_restart_plan`, which depends on the
-      coefficients and the dtype the Gram form runs in: :func:`ns_form_dtypes` of ``dtype``, the
+      coefficients and the dtype the Gram form runs in: :func:`choose_ns_form` of ``dtype``, the
       compute dtype, and ``device``; None, None: float32) ``X X^T`` and ``Q @ X`` (s*s*l each)
       plus ``4 L - 3`` products of s x s matrices (``A @ A`` every step, ``Q q(A)`` every step but
       the first, ``A q(A)`` and ``q(A) (A q(A))`` every step but the last).
@@ -431,7 +431,8 @@ def newton_schulz_flops(
 
     if method == "classic":
         return batch * ns_steps * segment(1)
-    plan = gram_restart_plan(coefficients, ns_steps, ns_form_dtypes(dtype, device)["gram"])
+    gram_dtype = choose_ns_form(shape, ns_steps, "gram", dtype, coefficients, device)[1]
+    plan = gram_restart_plan(coefficients, ns_steps, gram_dtype)
     return batch * sum(segment(length) for length in plan)
 
 
@@ -455,22 +456,24 @@ def choose_ns_form(
     ``symmetric``) and its restart plan (:func:`gram_restart_plan`) has a segment of two or more
     steps, i.e. in fp32, fp64 and fp16, never in bf16, where no Gram segment stays within the
     classic 16-bit iteration's error (``_GRAM_STEP_ERROR_LIMIT``). With compute_dtype None on CUDA
-    the candidates are the classic form in bf16 and the Gram form in fp16 (same 16-bit rate); the
-    latter only for tables whose values fit fp16 with room to spare (:func:`ns_value_bound`). A small
-    matrix saves too few FLOPs to pay for the Gram form's extra, smaller products (measured on CPU:
-    1.1-1.5x slower at 4 x 64 to 64 x 128). Pure: no tensors, the same answer on every rank.
+    the candidates are the classic form in bf16 and the Gram form in fp16 (same 16-bit rate); fp16
+    only for tables whose values fit it with room to spare (:func:`ns_value_bound`; else the Gram
+    form, forced or chosen, runs in bf16). A small matrix saves too few FLOPs to pay for the Gram
+    form's extra, smaller products (measured on CPU: 1.1-1.5x slower at 4 x 64 to 64 x 128).
+    Pure (a table's scalar checks are evaluated once on the CPU and cached): the same answer on
+    every rank.
     """
     check_ns_method(method)
     dtypes = ns_form_dtypes(compute_dtype, device)
+    if compute_dtype is None and dtypes["gram"] == torch.float16:
+        steps = resolve_ns_coefficients(coefficients, ns_steps)
+        if not _fits_fp16(steps, gram_restart_plan(steps, ns_steps, torch.float16)):
+            dtypes["gram"] = dtypes["classic"]  # not our choice to make when it may overflow
     if method != "auto":
         return method, dtypes[method]
     classic = newton_schulz_flops(shape, ns_steps, "classic", symmetric=symmetric)
-    gram = newton_schulz_flops(shape, ns_steps, "gram", compute_dtype, coefficients, device, symmetric=symmetric)
-    take = classic - gram >= GRAM_MIN_SAVED_FLOPS
-    if take and compute_dtype is None and dtypes["gram"] == torch.float16:
-        steps = resolve_ns_coefficients(coefficients, ns_steps)
-        take = _fits_fp16(steps, gram_restart_plan(steps, ns_steps, torch.float16))
-    form = "gram" if take else "classic"
+    gram = newton_schulz_flops(shape, ns_steps, "gram", dtypes["gram"], coefficients, symmetric=symmetric)
+    form = "gram" if classic - gram >= GRAM_MIN_SAVED_FLOPS else "classic"
     return form, dtypes[form]
 
 
