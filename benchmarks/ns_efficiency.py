@@ -3,12 +3,13 @@
     python benchmarks/ns_efficiency.py                      # default shapes, 1 thread
     python benchmarks/ns_efficiency.py --shapes 512x512,8x256x512 --threads 2
 
-For each shape it times, on the same device and in the same dtype
-(``default_compute_dtype``: fp32 on CPU, bf16 on CUDA), 5 iterations of:
+For each shape it times, on the same device and in the package's default dtypes
+(``compute_dtype=None``: fp32 on CPU; on CUDA bf16 for the classic form and fp16 for the Gram
+form, ``ns_form_dtypes``), 5 iterations of:
 
   * classic     ``zeropower_via_newtonschulz(method="classic")``;
   * gram        ``method="gram"``: the iteration on the s x s Gram matrix, with
-                the restart plan of the compute dtype;
+                the restart plan of its dtype;
   * auto        ``method="auto"`` (the default), which runs one of the two,
                 chosen by ``choose_ns_method`` from the FLOP counts;
   * mm          the classic form's matmuls as bare ``torch.mm`` calls
@@ -66,6 +67,7 @@ sys.path.insert(0, str(_REPO / "torch-ext"))
 from optimizer.newton_schulz import (  # noqa: E402
     NS_NORM_SAFETY,
     _zeropower,
+    choose_ns_form,
     choose_ns_method,
     default_compute_dtype,
     gram_restart_plan,
@@ -179,7 +181,7 @@ def measure_shape(shape, ns_steps: int, repeats: int, min_block: int, device: to
     X = G.to(dtype).reshape(-1, m, n)
     X = (X.mT if m > n else X).contiguous()
     methods = {
-        **{form: (lambda form=form: zeropower_via_newtonschulz(G, ns_steps=ns_steps, compute_dtype=dtype, method=form))
+        **{form: (lambda form=form: zeropower_via_newtonschulz(G, ns_steps=ns_steps, method=form))
            for form in FORMS},
         "mm": lambda: plain_matmuls(X, ns_steps),
         "symmetric": lambda: symmetric_newtonschulz(G, ns_steps, min_block, dtype),
@@ -190,22 +192,24 @@ def measure_shape(shape, ns_steps: int, repeats: int, min_block: int, device: to
     for _ in range(repeats):
         for k, fn in methods.items():
             times[k].append(_timed(fn, device))
-    chosen = choose_ns_method(shape, ns_steps, "auto", dtype)
+    chosen = choose_ns_method(shape, ns_steps, "auto", None, "fixed", device)
+    gram_dtype = choose_ns_form(shape, ns_steps, "gram", None, "fixed", device)[1]
     # auto runs exactly the chosen form's code: pool their repeats, so the verdicts rest on
     # twice the samples rather than on two noisy estimates of one computation
     times["auto"] = times["auto"] + times[chosen]
-    flops = {form: newton_schulz_flops(shape, ns_steps, form, dtype) for form in FORMS}
+    flops = {form: newton_schulz_flops(shape, ns_steps, form, None, "fixed", device) for form in FORMS}
     classic_flops = flops["classic"]
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
-    reference = zeropower_via_newtonschulz(G, ns_steps=ns_steps, compute_dtype=dtype, method="classic").float()
+    reference = zeropower_via_newtonschulz(G, ns_steps=ns_steps, method="classic").float()
     sym_diff = (symmetric_newtonschulz(G, ns_steps, min_block, dtype).float() - reference).abs().max().item()
-    gram = zeropower_via_newtonschulz(G, ns_steps=ns_steps, compute_dtype=dtype, method="gram").float()
+    gram = zeropower_via_newtonschulz(G, ns_steps=ns_steps, method="gram").float()
     return dict(
         shape=list(shape),
         gflop=classic_flops / 1e9,  # the classic form's, as before
         chosen=chosen,
-        gram_restart_plan=list(gram_restart_plan("fixed", ns_steps, dtype)),
+        gram_restart_plan=list(gram_restart_plan("fixed", ns_steps, gram_dtype)),
+        gram_dtype=str(gram_dtype).replace("torch.", ""),
         gflop_of={form: f / 1e9 for form, f in flops.items()},
         flop_ratio={form: classic_flops / f for form, f in flops.items()},
         median_s=med,
@@ -255,7 +259,8 @@ def render_markdown(result: dict) -> str:
         "# Newton–Schulz efficiency",
         "",
         f"- device: {hw.get('gpu', hw['cpu'])} ({hw['device']}), {hw['threads']} thread(s); torch {hw['torch']}; "
-        f"dtype {result['dtype']}; {result['ns_steps']} iterations; median of {result['repeats']} repeats",
+        f"dtype {result['dtype']} (the Gram form: {result['shapes'][0]['gram_dtype'] if result['shapes'] else '-'}); "
+        f"{result['ns_steps']} iterations; median of {result['repeats']} repeats",
         "- each ratio is given of the medians and of the minima (the least disturbed repeats; use these on a "
         "shared machine)",
         "",
