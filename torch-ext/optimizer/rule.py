@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .newton_schulz import default_compute_dtype, zeropower_via_newtonschulz
+from .newton_schulz import default_compute_dtype, ns_io_dtype, zeropower_via_newtonschulz
 from .parallel.split_newton_schulz import (row_sums_of_squares, split_zeropower_via_newtonschulz, squares_per_row,
                                            sum_over_group)
 from .qk_clip.step import apply_clip_
@@ -402,15 +402,16 @@ class MatrixStep:
 
     @property
     def stack_dtype(self) -> torch.dtype:
-        """The dtype a unit orthogonalised where it is (held whole) is stacked in: Newton–Schulz's
-        compute dtype when it is narrower than :attr:`input_dtype` (bf16 on CUDA for fp32
-        momentum), else :attr:`input_dtype`.  The input is formed in the arithmetic dtype and rounded
+        """The dtype a unit orthogonalised where it is (held whole) is stacked in: what
+        Newton–Schulz reads (``ns_io_dtype``: the compute dtype, bf16 for an fp16 run) when the
+        compute dtype is narrower than :attr:`input_dtype` (bf16 on CUDA for fp32 momentum), else
+        :attr:`input_dtype`.  The input is formed in the arithmetic dtype and rounded
         once as it is stored: exactly the cast Newton–Schulz would do first (``_normalised``), as a
         sharded piece's wire dtype does, without writing and re-reading a wide copy."""
         ns = getattr(self.orthogonalize, "newton_schulz", None)
         compute = getattr(ns, "compute_dtype", None) or default_compute_dtype(self.param.device)
         wide = self.input_dtype
-        return compute if compute.itemsize < wide.itemsize and compute.is_floating_point else wide
+        return ns_io_dtype(wide, compute) if compute.itemsize < wide.itemsize else wide
 
     @property
     def row_bytes(self) -> int:
