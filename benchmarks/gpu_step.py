@@ -155,13 +155,13 @@ def _triton_usable(device: torch.device) -> bool:
     return kernels.available(device)
 
 
-def ns_contenders(device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
+def ns_contenders(device: torch.device, dtype: torch.dtype, modes: list[str]) -> dict[str, Callable]:
     """name -> fn(G) computing 5 Newton–Schulz iterations of G (a matrix or a stack) in ``dtype``."""
     from optimizer.newton_schulz import zeropower_via_newtonschulz
 
     out: dict[str, Callable] = {}
     accepts_kernels = "kernels" in inspect.signature(zeropower_via_newtonschulz).parameters
-    for mode in _ours_modes():
+    for mode in modes:
         if mode == "triton" and not _triton_usable(device):
             continue
         for form in ("auto", "classic", "gram"):
@@ -278,7 +278,7 @@ def host_syncs(device: torch.device, fn: Callable[[], object]) -> int | None:
 
 def run_ns(args, device, dtype, clock, rate) -> list[dict]:
     shapes = NS_SHAPES_TINY if args.tiny else NS_SHAPES
-    fns = ns_contenders(device, dtype)
+    fns = ns_contenders(device, dtype, args.ns_kernels or _ours_modes())
     rows = []
     for shape in shapes:
         gen = torch.Generator(device="cpu").manual_seed(0)
