@@ -63,10 +63,10 @@ def max_logit_atol(q: torch.Tensor, k: torch.Tensor, scale: float, dtype: torch.
     return float(sizes.max()) * (gamma(d + 2, dtype) + gamma(d + 2, torch.float64))
 
 
-def _max_abs(coefficients: Sequence[float], lo: float, hi: float) -> float:
-    """``max |P(t)|`` on ``[lo, hi]`` for ``P(t) = sum coefficients[i] t^i``: at an end or at a real
-    root of ``P'`` (the eigenvalues of its companion matrix, in float64; a root off by ``d`` moves
-    the value found by ``O(d^2)``, far below anything here)."""
+def _extremes(coefficients: Sequence[float], lo: float, hi: float) -> tuple[float, float]:
+    """``(min P, max P)`` on ``[lo, hi]`` for ``P(t) = sum coefficients[i] t^i``: at an end or at a
+    real root of ``P'`` (the eigenvalues of its companion matrix, in float64; a root off by ``d``
+    moves the value found by ``O(d^2)``, far below anything here)."""
     def value(t):
         return sum(c * t**i for i, c in enumerate(coefficients))
 
@@ -82,12 +82,26 @@ def _max_abs(coefficients: Sequence[float], lo: float, hi: float) -> float:
         for root in torch.linalg.eigvals(companion).tolist():
             if abs(root.imag) <= 1e-9 * (1 + abs(root.real)) and lo < root.real < hi:
                 candidates.append(root.real)
-    return max(abs(value(t)) for t in candidates)
+    values = [value(t) for t in candidates]
+    return min(values), max(values)
 
 
-def _poly_bounds(a: float, b: float, c: float, s: float) -> tuple[float, float]:
-    """For ``p(x) = a x + b x^3 + c x^5`` on ``[0, s]``: ``(max |p|, max |p'|)``."""
-    return _max_abs((0, a, 0, b, 0, c), 0.0, s), _max_abs((a, 0, 3 * b, 0, 5 * c), 0.0, s)
+def _max_abs(coefficients: Sequence[float], lo: float, hi: float) -> float:
+    """``max |P(t)|`` on ``[lo, hi]``."""
+    return max(abs(v) for v in _extremes(coefficients, lo, hi))
+
+
+def _step_bounds(a: float, b: float, c: float, lo: float, hi: float) -> tuple[float, float, float]:
+    """For one step ``p(x) = a x + b x^3 + c x^5`` on singular values in ``[lo, hi]``: the range
+    ``[lo', hi']`` of ``|p|`` there (``lo' = 0`` where ``p`` reaches 0), and the growth ``L``, the
+    larger of ``max |p'|`` and ``max |p(x) / x|`` on ``[lo, hi]`` (these bound the divided
+    differences of ``p`` between singular values, and ``p(x)/x`` on the directions ``X`` does not
+    reach)."""
+    p_min, p_max = _extremes((0, a, 0, b, 0, c), lo, hi)
+    top = max(abs(p_min), abs(p_max))
+    bottom = 0.0 if p_min <= 0 <= p_max else min(abs(p_min), abs(p_max))
+    growth = max(_max_abs((a, 0, 3 * b, 0, 5 * c), lo, hi), _max_abs((a, 0, b, 0, c), lo, hi))
+    return bottom, top, growth
 
 
 def newton_schulz_error_bound(
@@ -97,13 +111,16 @@ def newton_schulz_error_bound(
     coefficients="fixed",
     norm_safety: float | None = None,
     method: str = "classic",
+    sigma_min: float = 0.0,
 ) -> float:
     """Bound, in Frobenius norm per matrix, on how far Newton–Schulz (``optimizer.newton_schulz``)
     computed in ``dtype`` in *any* order can be from the exact iteration on the same input matrix of
     ``shape`` (``[..., m, n]``); ``method`` is the form run (``"auto"``: the one
-    ``choose_ns_method`` picks).  Two implementations differ by at most the sum of their bounds, in
-    every entry.  First order in ``u``: the terms left out are smaller than the bound by a factor of
-    the bound itself.
+    ``choose_ns_method`` picks).  ``sigma_min``: a lower bound on the input's smallest singular value
+    over its Frobenius norm (e.g. from ``torch.linalg.svdvals`` in float64); 0 (the default) holds
+    for any input.  Two implementations differ by at most the sum of their bounds, in every entry.
+    First order in ``u``: the terms left out are smaller than the bound by a factor of the bound
+    itself.
 
     Derivation.  With ``s = min(m, n)``, ``l = max(m, n)`` and ``X`` the ``s x l`` iterate:
 
@@ -111,21 +128,23 @@ def newton_schulz_error_bound(
       the norm (a sum of ``m n`` squares), its scaling and the division give a relative error of at
       most ``gamma(m n + 4)``.
     * Step ``j``: ``X <- p_j(X) = a X + (b A + c A^2) X``, ``A = X X^T``, applies
-      ``p_j(x) = a x + b x^3 + c x^5`` to every singular value.  Exact iterates: spectral norm
-      ``S_{j+1} = max |p_j|`` on ``[0, S_j]``, Frobenius norm ``F_{j+1} <= L_j F_j``.
+      ``p_j(x) = a x + b x^3 + c x^5`` to every singular value.  The exact iterate's singular
+      values lie in ``[lo_j, S_j]`` (``lo_0 = sigma_min / norm_safety``), then in the range of
+      ``|p_j|`` there; its Frobenius norm ``F_{j+1} <= max |p_j(x)/x| F_j``.
     * Propagation: the Fréchet derivative of ``X -> p_j(X)`` at a matrix with singular values in
-      ``[0, S_j]`` has Frobenius-to-Frobenius norm at most ``L_j = max |p_j'|`` on ``[0, S_j]`` (its
-      entries in the singular bases are divided differences of the odd ``p_j``; Noferini, "A formula
-      for the Fréchet derivative of a generalized matrix function", SIMAX 2017), so an error ``e``
-      in ``X`` becomes at most ``L_j e``.  A Gram segment computes the same map as its steps, so an
-      error in its input grows by the product of their ``L_j``.
+      ``[lo_j, S_j]`` has Frobenius-to-Frobenius norm at most ``L_j``, the larger of ``max |p_j'|``
+      and ``max |p_j(x)/x|`` there (in the singular bases its entries are ``p_j`` divided
+      differences between two singular values, or ``p_j(x)/x``, for the odd ``p_j``; Noferini, "A
+      formula for the Fréchet derivative of a generalized matrix function", SIMAX 2017), so an
+      error ``e`` in ``X`` becomes at most ``L_j e``.  A Gram segment computes the same map as its
+      steps, so an error in its input grows by the product of their ``L_j``.
     * Rounding: a product ``beta C + alpha (P Q)`` with inner dimension ``k`` is within
       ``gamma(k + 3) (|beta||C| + |alpha||P||Q|)`` entrywise, so within
       ``gamma(k + 3) (|beta| ||C||_F + |alpha| ||P||_F ||Q||_F)``; an error ``dP`` in a factor adds
       ``||dP||_F ||Q||_2``.  Classic step (``A`` inner ``l``, ``b A + c A A`` and ``a X + B X``
       inner ``s``): :func:`_classic_step_rounding`.  Gram segment (``A = X X^T`` once, then per step
       ``B = b A + c A^2``, ``Q <- a Q + Q B``, ``A <- q(A) A q(A)`` as two products, and finally
-      ``Q X``; all inner ``s``, spectral norms from the polynomials on ``[0, S_j]``):
+      ``Q X``; all inner ``s``, spectral norms from the polynomials on ``[lo_j, S_j]``):
       :func:`_gram_segment_rounding`.
     * ``e <- (growth of the step or segment) e + (its rounding)``; the bound is the final ``e``.
 
@@ -143,6 +162,7 @@ def newton_schulz_error_bound(
     method = choose_ns_method(shape, ns_steps, method, dtype, steps)
     plan = [1] * ns_steps if method == "classic" else list(gram_restart_plan(steps, ns_steps, dtype))
     S = F = 1.0 / norm_safety
+    lo = min(sigma_min, 1.0) / norm_safety
     err = gamma(m * n + 4, dtype) * F
     first = 0
     for length in plan:
@@ -150,11 +170,11 @@ def newton_schulz_error_bound(
         if length == 1:
             rounding = _classic_step_rounding(segment[0], S, F, s, l, dtype)
         else:
-            rounding = _gram_segment_rounding(segment, S, F, s, l, dtype)
+            rounding = _gram_segment_rounding(segment, lo, S, F, s, l, dtype)
         for a, b, c in segment:
-            top, slope = _poly_bounds(a, b, c, S)
-            err *= slope
-            S, F = top, min(slope * F, math.sqrt(s) * top)
+            lo, top, growth = _step_bounds(a, b, c, lo, S)
+            err *= growth
+            S, F = top, min(growth * F, math.sqrt(s) * top)
         err += rounding
     return err
 
@@ -170,13 +190,13 @@ def _classic_step_rounding(coefficients, S, F, s, l, dtype) -> float:
     return e_B * S + g_s * (abs(a) + B_F) * F
 
 
-def _gram_segment_rounding(segment, S, F, s, l, dtype) -> float:
+def _gram_segment_rounding(segment, lo, S, F, s, l, dtype) -> float:
     """Rounding of one Gram segment (``newton_schulz._gram_segment_factor``, then ``Q X``) on an
     ``s x l`` iterate of spectral norm <= S, Frobenius <= F.
 
     Each rounding error is carried to the segment's end through the exact maps that follow it.  All
     the matrices are polynomials in the symmetric ``A``, whose eigenvalues are the squared singular
-    values ``t`` of the current iterate, in ``[0, S_j^2]``; a polynomial ``f`` of ``A`` has spectral
+    values ``t`` of the current iterate, in ``[lo_j^2, S_j^2]``; a polynomial ``f`` of ``A`` has spectral
     norm ``max |f(t)|`` and Fréchet derivative (any perturbation, Daleckii–Krein) of norm at most
     ``max |f'(t)|``.  Per step, with ``q(t) = a + b t + c t^2``: ``B`` carries an error of ``A``
     by ``max |q'|``; ``A <- q(A) A q(A)`` by ``max |(t q^2)'|``; ``Q <- Q q(A)`` multiplies ``Q``'s
@@ -188,9 +208,9 @@ def _gram_segment_rounding(segment, S, F, s, l, dtype) -> float:
     e_Q = 0.0
     Q_2 = 1.0  # the identity before the first step
     for j, (a, b, c) in enumerate(segment):
-        top, slope = _poly_bounds(a, b, c, S)
+        bottom, top, growth = _step_bounds(a, b, c, lo, S)
         T = S * S
-        q_max, dq_max, dh_max = _gram_poly_bounds(a, b, c, T)
+        q_max, dq_max, dh_max = _gram_poly_bounds(a, b, c, lo * lo, T)
         A_F = S * F
         B_F = (abs(b) + abs(c) * T) * A_F
         r_B = g_s * (abs(b) * A_F + abs(c) * A_F * A_F)  # B = b A + c A A
@@ -205,15 +225,15 @@ def _gram_segment_rounding(segment, S, F, s, l, dtype) -> float:
             r_AQ = g_s * (abs(a) + B_F) * A_F  # A q(A) = a A + A B
             r_A = g_s * (abs(a) + B_F) * AQ_2 * root  # q(A) (A q(A)) = a AQ + B AQ
             e_A = dh_max * e_A + q_max * (r_AQ + T * r_B) + AQ_2 * r_B + r_A
-        S, F = top, min(slope * F, root * top)
+        lo, S, F = bottom, top, min(growth * F, root * top)
     return e_Q * S0 + g_s * Q_2 * root * F0  # Q X
 
 
-def _gram_poly_bounds(a: float, b: float, c: float, T: float) -> tuple[float, float, float]:
-    """On ``[0, T]``: ``max |q|``, ``max |q'|`` and ``max |h'|`` for ``q(t) = a + b t + c t^2`` and
+def _gram_poly_bounds(a: float, b: float, c: float, lo: float, hi: float) -> tuple[float, float, float]:
+    """On ``[lo, hi]``: ``max |q|``, ``max |q'|`` and ``max |h'|`` for ``q(t) = a + b t + c t^2`` and
     ``h(t) = t q(t)^2``, whose derivative is ``q(t) (a + 3 b t + 5 c t^2)``."""
     dh = (a * a, 4 * a * b, 3 * b * b + 6 * a * c, 8 * b * c, 5 * c * c)
-    return _max_abs((a, b, c), 0.0, T), _max_abs((b, 2 * c), 0.0, T), _max_abs(dh, 0.0, T)
+    return _max_abs((a, b, c), lo, hi), _max_abs((b, 2 * c), lo, hi), _max_abs(dh, lo, hi)
 
 
 def newton_schulz_atol(shape: Sequence[int], dtype: torch.dtype, **kw) -> float:

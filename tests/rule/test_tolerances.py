@@ -14,7 +14,7 @@ import torch
 
 from optimizer import zeropower_via_newtonschulz
 from optimizer.newton_schulz import NS_COEFFICIENTS, NS_TAIL
-from tolerances import _gram_poly_bounds, _poly_bounds, gamma, max_logit_atol, newton_schulz_error_bound
+from tolerances import _gram_poly_bounds, _step_bounds, gamma, max_logit_atol, newton_schulz_error_bound
 
 
 def test_gamma():
@@ -29,16 +29,21 @@ TABLES = NS_COEFFICIENTS["fixed"] + NS_COEFFICIENTS["polar_express"] + [NS_TAIL[
 
 
 @pytest.mark.parametrize("a, b, c", TABLES)
-@pytest.mark.parametrize("s", [1 / 1.02, 1.0, 1.21])
-def test_polynomial_maxima_equal_a_dense_grid(a, b, c, s):
-    x = torch.linspace(0, s, 200_001, dtype=torch.float64)
+@pytest.mark.parametrize("lo, s", [(0.0, 1 / 1.02), (0.0, 1.0), (0.0, 1.21), (0.05, 1.0), (0.7, 1.2)])
+def test_polynomial_extremes_equal_a_dense_grid(a, b, c, lo, s):
+    x = torch.linspace(lo, s, 200_001, dtype=torch.float64)
     t = x * x
     q = a + b * t + c * t * t
-    grid = [p.abs().max().item() for p in (a * x + b * x**3 + c * x**5, a + 3 * b * t + 5 * c * t * t, q,
-                                           b + 2 * c * t, q * (a + 3 * b * t + 5 * c * t * t))]
-    exact = [*_poly_bounds(a, b, c, s), *_gram_poly_bounds(a, b, c, s * s)]
-    for e, g in zip(exact, grid):  # the exact maximum: at least the grid's, and not above it by more than its spacing
-        assert g * (1 - 1e-12) <= e <= g * (1 + 1e-6), (exact, grid)
+    p = a * x + b * x**3 + c * x**5
+    # p' and p(x)/x = q(x^2) give the growth
+    grid_max = [f.abs().max().item() for f in (p, torch.maximum((a + 3 * b * t + 5 * c * t * t).abs(), q.abs()),
+                                                q, b + 2 * c * t, q * (a + 3 * b * t + 5 * c * t * t))]
+    bottom, top, growth = _step_bounds(a, b, c, lo, s)
+    exact_max = [top, growth, *_gram_poly_bounds(a, b, c, lo * lo, s * s)]
+    for e, g in zip(exact_max, grid_max):  # at least the grid's maximum, above it by no more than its spacing
+        assert g * (1 - 1e-12) <= e <= g * (1 + 1e-6), (exact_max, grid_max)
+    low = p.abs().min().item()  # the exact minimum: at most the grid's, below it by no more than its spacing
+    assert low * (1 - 1e-6) - 1e-12 <= bottom <= low * (1 + 1e-12), (bottom, low)
 
 
 @pytest.mark.parametrize("method", ["classic", "gram"])
@@ -54,9 +59,11 @@ def test_float32_newton_schulz_stays_within_its_bound(shape, cond, coefficients,
     f32 = zeropower_via_newtonschulz(G.float(), 5, coefficients, compute_dtype=torch.float32, method=method)
     f64 = zeropower_via_newtonschulz(G, 5, coefficients, compute_dtype=torch.float64, method=method)
     worst = (f32.double() - f64).flatten(-2).norm(dim=-1).max().item()  # Frobenius, per matrix
-    bound = (newton_schulz_error_bound(shape, torch.float32, coefficients=coefficients, method=method)
-             + newton_schulz_error_bound(shape, torch.float64, coefficients=coefficients, method=method))
-    assert 0 < worst <= bound, (worst, bound)
+    sigma_min = (torch.linalg.svdvals(G)[..., -1] / G.flatten(-2).norm(dim=-1)).min().item()
+    for lower in (0.0, sigma_min * (1 - 1e-6)):  # any input, and this one's smallest singular value
+        bound = sum(newton_schulz_error_bound(shape, dtype, coefficients=coefficients, method=method, sigma_min=lower)
+                    for dtype in (torch.float32, torch.float64))
+        assert 0 < worst <= bound, (worst, bound, lower)
 
 
 @pytest.mark.parametrize("d", [4, 64])
