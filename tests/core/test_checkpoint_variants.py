@@ -335,6 +335,7 @@ def test_a_plain_checkpoint_from_before_the_variants_continues_as_it_did():
     ref = gen.muon(ref_net)
     set_state_by_hand(ref, saved["optimizer"]["state"])
     assert_same_optimizer(opt, ref)
+    assert all(torch.equal(p, r) for p, r in zip(net.parameters(), ref_net.parameters()))
     gen.train(net, opt, grads, range(gen.K, gen.N))
     gen.train(ref_net, ref, grads, range(gen.K, gen.N))
     for (n, p), (_, r) in zip(net.named_parameters(), ref_net.named_parameters()):
@@ -366,6 +367,7 @@ def _old_dcp(rank, world_size, full):
                       lambda t, p: to_dtensor(t, mesh, p.placements))
     assert [p.placements for p in params_in_order(ref)] == [p.placements for p in params_in_order(opt)]
     assert_same_optimizer(opt, ref)
+    assert all(torch.equal(p.to_local(), r.to_local()) for p, r in zip(net.parameters(), ref_net.parameters()))
     _, grads = gen.tensors()
     as_dtensor = lambda n, g, p: to_dtensor(g, mesh, p.placements)  # noqa: E731
     gen.train(net, opt, grads, range(gen.K, gen.N), as_dtensor)
