@@ -44,13 +44,17 @@ Classic form, per step (``method="classic"``, or one-step Gram segments):
 Gram form (``gram_restart_plan`` segments of L >= 2 steps): one all-reduce of ``X X^T`` per
 segment, the m x m recursion of :func:`~optimizer.newton_schulz._gram_segment_factor` on every
 rank (``(4 L - 3) 2 m^3`` FLOPs, not split), then ``X_i <- Q X_i``. Segments of one step are classic
-steps (as in the unsplit code). The form is chosen exactly as the unsplit call would choose it
-for the whole matrix (``choose_ns_method`` on the full shape): the two forms differ by up to ~1e-3
-in fp32, so results must not depend on whether the planner split a matrix. The price: where the
-Gram form is picked (fp32, n > 1.5 m) its replicated m x m recursion, ``17 m^3`` multiply-adds for
-5 steps, caps the gain (2048 x 4096 over 2 ranks: modelled 1.10x, the classic form 1.93x). In
-bf16, the CUDA default, "auto" is always the classic form. Splitting the recursion's products by
-rows as well (like B) would lift the cap for 3-4 all-gathers per step; not done.
+steps (as in the unsplit code). The form and the dtype it runs in are chosen exactly as the
+unsplit call would choose them for the whole matrix (``choose_ns_form`` on the full shape): the
+two forms differ by up to ~1e-3 in fp32, so results must not depend on whether the planner split a
+matrix. The price: where the Gram form is picked (fp32, n > 1.5 m) its replicated m x m recursion,
+``17 m^3`` multiply-adds for 5 steps, caps the gain (2048 x 4096 over 2 ranks: modelled 1.10x, the
+classic form 1.93x). In bf16 "auto" is always the classic form; with ``compute_dtype=None`` on
+CUDA the Gram form runs in fp16 (``newton_schulz.ns_form_dtypes``; in fp16 the first Gram matrix
+is formed from each block scaled by its own norm, see :func:`_normalise_first_gram`). The cost
+model (:func:`split_ns_cost`) takes the dtype it is given (the planner passes the resolved
+compute dtype: bf16 on CUDA, so it models the classic form there). Splitting the recursion's
+products by rows as well (like B) would lift the cap for 3-4 all-gathers per step; not done.
 
 Normalisation, folded into the first collective. The unsplit code divides the compute-dtype
 matrix by ``max(||X||_F * norm_safety, eps)`` with the norm taken in fp32 (or wider). The first
@@ -115,9 +119,10 @@ from ..newton_schulz import (
     _symmetric_product,
     _uses_symmetric_blocks,
     check_ns_method,
+    choose_ns_form,
     choose_ns_method,
-    default_compute_dtype,
     gram_restart_plan,
+    ns_io_dtype,
     resolve_ns_coefficients,
 )
 from .owners import split_range_evenly
@@ -499,17 +504,17 @@ def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm
         norm_safety = NS_NORM_SAFETY.get(coefficients, 1.0) if isinstance(coefficients, str) else 1.0
     if not norm_safety > 0:
         raise ValueError(f"norm_safety must be positive, got {norm_safety!r}")
-    dtype = compute_dtype if compute_dtype is not None else default_compute_dtype(X.device)
-    if X.numel() == 0:  # no rows, or an empty batch: the same on every member, no collective
-        return torch.zeros(X.shape, dtype=dtype, device=X.device)
     full = (*X.shape[:-1], n)
-    form = choose_ns_method(full, ns_steps, method, dtype, steps)
+    form, dtype = choose_ns_form(full, ns_steps, method, compute_dtype, steps, X.device)  # as the unsplit call
+    io = ns_io_dtype(X.dtype, dtype)
+    if X.numel() == 0:  # no rows, or an empty batch: the same on every member, no collective
+        return torch.zeros(X.shape, dtype=io, device=X.device)
     plan = gram_restart_plan(steps, ns_steps, dtype) if form == "gram" else (1,) * ns_steps
     if b_split == "auto":
         b_split = choose_b_split(full, k, dtype, hardware or hardware_for(X.device))
     rows = k > 1 and b_split == "rows"
 
-    Xb = X.to(dtype).reshape(-1, m, ni)
+    Xb = X.to(io).reshape(-1, m, ni)  # io: the compute dtype, or bf16 for fp16 (ns_io_dtype)
     if Xb.shape[0] == 1:  # 2-D kernels for a single matrix, as the unsplit code
         Xb = Xb[0]
     symmetric = _uses_symmetric_blocks(Xb)
@@ -541,24 +546,33 @@ def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm
                 record.append(Q)
             Xb = mm(Q, Xb)
         A = None
-    return Xb.reshape(X.shape)
+    return Xb.reshape(X.shape).to(io)
 
 
 def _normalise_first_gram(Xb, input_dtype, dtype, norm_safety, eps, symmetric, k, group):
     """The block divided by the whole matrix's norm (times ``norm_safety``, at least ``eps``) and
-    the first Gram matrix, from one all-reduce of ``[G_i G_i^T, ||G_i||^2]`` in the wide dtype."""
+    the first Gram matrix, from one all-reduce of ``[G_i G_i^T, ||G_i||^2]`` in the wide dtype.
+
+    ``Xb`` is the block as read (``ns_io_dtype``: the compute dtype, or bf16 for fp16). In fp16 the
+    unscaled block's Gram matrix could pass 65504, so its own norm scales it into [-1, 1] first
+    and scales the fp16 product back in the wide dtype: ``||G_i||^2 (Y_i Y_i^T)``, Y_i = G_i / ||G_i||
+    (another rounding path than the unsplit product of the normalised matrix, as bf16's is)."""
     wide = _wide(dtype, input_dtype)
     lead, m = Xb.shape[:-2], Xb.shape[-2]
     count = math.prod(lead)
     buf = torch.empty(count * m * m + count, dtype=wide, device=Xb.device)
     gram = buf[: count * m * m].view(*lead, m, m)
-    if dtype == wide:
-        _symmetric_product(Xb, Xb.mT, blocks=symmetric, out=gram)
-    else:
-        gram.copy_(_symmetric_product(Xb, Xb.mT, blocks=symmetric))
     squares = buf[count * m * m :].view(*lead, 1, 1)
     norm = torch.linalg.vector_norm(Xb, dim=(-2, -1), keepdim=True, dtype=wide)
     torch.mul(norm, norm, out=squares)
+    if dtype == torch.float16:
+        local = norm.clamp_min(torch.finfo(wide).tiny)
+        Y = torch.div(Xb, local, out=torch.empty(Xb.shape, dtype=dtype, device=Xb.device))
+        torch.mul(_symmetric_product(Y, Y.mT, blocks=symmetric), squares, out=gram)
+    elif dtype == wide:
+        _symmetric_product(Xb, Xb.mT, blocks=symmetric, out=gram)
+    else:
+        gram.copy_(_symmetric_product(Xb, Xb.mT, blocks=symmetric))
     if k > 1:
         dist.all_reduce(buf, group=group)
     scale = (squares.sqrt() * norm_safety).clamp_min(eps)
