@@ -499,7 +499,9 @@ def test_a_version_1_checkpoint_loads_and_continues_exactly_as_the_release_that_
         return params, Muon(make_v1.groups(params), **make_v1.OPTIONS)
 
     params, opt = start()
-    opt.load_state_dict(saved["optim"])
+    # A copy, as a checkpoint read from disk is: load_state_dict may alias the tensors it gets, and
+    # the reference below is built from the file's own.
+    opt.load_state_dict(copy.deepcopy(saved["optim"]))
     assert opt.param_groups[0]["eps"] == make_v1.OPTIONS["eps"]  # the NS eps the run used, not AdamW's
     assert opt.param_groups[1]["eps"] == make_v1.OPTIONS["adamw_eps"]
     assert all(g[VERSION_KEY] == LAYOUT_VERSION for g in opt.state_dict()["param_groups"])
