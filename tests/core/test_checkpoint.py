@@ -473,31 +473,47 @@ def test_custom_qk_classify_must_be_supplied_again():
 
 def test_a_version_1_checkpoint_loads_and_continues_exactly_as_the_release_that_wrote_it():
     """tests/fixtures/v1_checkpoint.pt was written by the release before state layout version 2
-    (tests/fixtures/make_v1_checkpoint.py, run against commit 40dfb66), with the parameters it
-    reached two steps later.  Version 1 stored AdamW's eps in Muon groups and not the
-    Newton–Schulz eps: loaded into an optimizer built with the same options, the run continues
-    bit for bit as the old release's did."""
+    (tests/fixtures/make_v1_checkpoint.py, run against commit 40dfb66).  Version 1 stored AdamW's
+    eps in Muon groups and not the Newton–Schulz eps.  Loaded into an optimizer built with the
+    same options, it must be the optimizer that run had: the reference is built here
+    (tests/state_by_hand.py), today's Muon with the run's options and the checkpoint's tensors
+    assigned by hand; the loaded one holds the same groups (the NS eps the run used, not AdamW's)
+    and state, and continues bit for bit as the reference.  (The parameters the old release
+    reached, ``saved["after"]``, are not an oracle: another CPU rounds fp32 matmuls differently.)"""
     import importlib.util
 
     from repo import REPO
+    from state_by_hand import assert_same_optimizer, set_state_by_hand
 
     spec = importlib.util.spec_from_file_location("make_v1", REPO / "tests" / "fixtures" / "make_v1_checkpoint.py")
     make_v1 = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_v1)
     saved = torch.load(REPO / "tests" / "fixtures" / "v1_checkpoint.pt", weights_only=True)
     assert saved["optim"]["param_groups"][0][VERSION_KEY] == 1 and saved["optim"]["param_groups"][0]["eps"] == 1e-7
-    params = make_v1.build()
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(saved["params"][n])
-    opt = Muon(make_v1.groups(params), **make_v1.OPTIONS)
-    opt.load_state_dict(saved["optim"])
+
+    def start():
+        params = make_v1.build()
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved["params"][n])
+        return params, Muon(make_v1.groups(params), **make_v1.OPTIONS)
+
+    params, opt = start()
+    # A copy, as a checkpoint read from disk is: load_state_dict may alias the tensors it gets, and
+    # the reference below is built from the file's own.
+    opt.load_state_dict(copy.deepcopy(saved["optim"]))
     assert opt.param_groups[0]["eps"] == make_v1.OPTIONS["eps"]  # the NS eps the run used, not AdamW's
     assert opt.param_groups[1]["eps"] == make_v1.OPTIONS["adamw_eps"]
     assert all(g[VERSION_KEY] == LAYOUT_VERSION for g in opt.state_dict()["param_groups"])
+    ref_params, ref = start()
+    set_state_by_hand(ref, saved["optim"]["state"])
+    assert_same_optimizer(opt, ref)
     for step in (3, 4):
-        for n, p in params.items():
-            p.grad = make_v1.grads(step)[n]
+        for ps in (params, ref_params):
+            for n, p in ps.items():
+                p.grad = make_v1.grads(step)[n]
         opt.step()
+        ref.step()
     for n, p in params.items():
-        assert torch.equal(p.detach(), saved["after"][n]), n
+        assert torch.equal(p.detach(), ref_params[n].detach()), n
+    assert_same_optimizer(opt, ref)

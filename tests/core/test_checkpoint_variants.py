@@ -11,12 +11,14 @@
   parameter's dtype); another ``momentum_dtype`` converts with a note; ``normuon_v`` present
   exactly when the group has NorMuon on.
 * Checkpoints written before these options (``data/pre_variants``, by commit 49fa963: see
-  ``data/make_pre_variants_checkpoint.py``), plain and through DCP, load and continue exactly as
-  that Muon continued.
+  ``data/make_pre_variants_checkpoint.py``), plain and through DCP, load into the optimizer that
+  run had (the same tensors put into today's Muon by hand, ``state_by_hand.py``) and continue as
+  it bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import io
 import logging
@@ -37,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from dist_cases import build_groups, make_case_tensors, parse_placement, run_reference, to_dtensor
 from harness import run_ranks
 from optimizer import Muon
+from state_by_hand import assert_same_optimizer, set_state_by_hand
 
 K, N = 2, 4
 OPTIONS = dict(lr=0.02, weight_decay=0.3, normuon_beta2=0.9, cautious_wd=True, momentum_dtype=torch.bfloat16)
@@ -317,20 +320,36 @@ def _generator():
 
 
 def test_a_plain_checkpoint_from_before_the_variants_continues_as_it_did():
+    """Loaded into today's Muon it is the optimizer that run had (the reference built here,
+    tests/state_by_hand.py: the generator's options, the checkpoint's tensors assigned by hand),
+    and the two continue bit for bit.  (``saved["continued"]``, what that Muon computed next on the
+    machine that wrote it, is not an oracle: another CPU rounds fp32 matmuls differently.)"""
     gen = _generator()
     saved = torch.load(os.path.join(DATA, "plain.pt"), weights_only=True)
     assert all("normuon_beta2" not in g for g in saved["optimizer"]["param_groups"])  # really from before
     _, grads = gen.tensors()
     net = gen.Net.build({n: t.clone() for n, t in saved["params"].items()})
     opt = gen.muon(net)
-    opt.load_state_dict(saved["optimizer"])
+    opt.load_state_dict(copy.deepcopy(saved["optimizer"]))  # a copy: the reference is built from the file's own tensors
     assert not {"normuon_beta2", "cautious_wd", "momentum_dtype"} & set(opt.param_groups[0])  # all off
+    ref_net = gen.Net.build({n: t.clone() for n, t in saved["params"].items()})
+    ref = gen.muon(ref_net)
+    set_state_by_hand(ref, saved["optimizer"]["state"])
+    assert_same_optimizer(opt, ref)
+    assert all(torch.equal(p, r) for p, r in zip(net.parameters(), ref_net.parameters()))
     gen.train(net, opt, grads, range(gen.K, gen.N))
-    for n, p in net.named_parameters():
-        assert torch.equal(p.detach(), saved["continued"][n]), n
+    gen.train(ref_net, ref, grads, range(gen.K, gen.N))
+    for (n, p), (_, r) in zip(net.named_parameters(), ref_net.named_parameters()):
+        assert torch.equal(p.detach(), r.detach()), n
+    assert_same_optimizer(opt, ref)
 
 
-def _old_dcp(rank, world_size):
+def _old_dcp(rank, world_size, full):
+    """The DCP checkpoint loaded on 2 ranks, and beside it the reference: the same tensors
+    (``full``: read by torch's own ``dcp_to_torch_save``) sharded by DTensor and assigned by hand.
+    Both continue on these ranks; returns whether they agree bit for bit, per parameter."""
+    from state_by_hand import params_in_order
+
     gen = _generator()
     mesh = init_device_mesh("cpu", (world_size,))
     params, grads = gen.tensors(seed=5)  # other weights: the checkpoint must bring them
@@ -340,13 +359,31 @@ def _old_dcp(rank, world_size):
     dcp.load(sd, checkpoint_id=os.path.join(DATA, "dcp"))  # the default planner: strict about keys
     set_model_state_dict(net, sd["model"])
     set_optimizer_state_dict(net, opt, sd["optim"])
+
+    ref_net = gen.Net.build({n: to_dtensor(full["model"][n], mesh, [parse_placement(gen.PLACEMENTS[n])])
+                             for n in gen.SHAPES})
+    ref = gen.muon(ref_net)
+    names = [n for g in ref.param_groups for n in g["param_names"]]
+    set_state_by_hand(ref, {i: full["optim"]["state"][n] for i, n in enumerate(names)},
+                      lambda t, p: to_dtensor(t, mesh, p.placements))
+    assert [p.placements for p in params_in_order(ref)] == [p.placements for p in params_in_order(opt)]
+    assert_same_optimizer(opt, ref)
+    assert all(torch.equal(p.to_local(), r.to_local()) for p, r in zip(net.parameters(), ref_net.parameters()))
     _, grads = gen.tensors()
-    gen.train(net, opt, grads, range(gen.K, gen.N), lambda n, g, p: to_dtensor(g, mesh, p.placements))
-    return {n: p.full_tensor().detach() for n, p in net.named_parameters()}
+    as_dtensor = lambda n, g, p: to_dtensor(g, mesh, p.placements)  # noqa: E731
+    gen.train(net, opt, grads, range(gen.K, gen.N), as_dtensor)
+    gen.train(ref_net, ref, grads, range(gen.K, gen.N), as_dtensor)
+    assert_same_optimizer(opt, ref)
+    return {n: torch.equal(p.full_tensor(), r.full_tensor())
+            for (n, p), (_, r) in zip(net.named_parameters(), ref_net.named_parameters())}
 
 
-def test_a_dcp_checkpoint_from_before_the_variants_continues_as_it_did():
-    want = torch.load(os.path.join(DATA, "dcp_continued.pt"), weights_only=True)
-    for got in run_ranks(_old_dcp, 2, timeout=120):
-        for n, t in want.items():
-            assert torch.equal(got[n], t), n
+def test_a_dcp_checkpoint_from_before_the_variants_continues_as_it_did(tmp_path):
+    """As the plain one, through DCP on 2 ranks.  (``dcp_continued.pt`` is not an oracle, as above.)"""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(os.path.join(DATA, "dcp"), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert all("normuon_beta2" not in g for g in full["optim"]["param_groups"])  # really from before
+    for same in run_ranks(_old_dcp, 2, full, timeout=120):
+        assert same == {n: True for n in _generator().SHAPES}, same

@@ -15,6 +15,9 @@ from optimizer.max_logits import (
     max_logits_from_flex,
     mesh_groups,
 )
+from tolerances import max_logit_atol, unit_roundoff
+
+U32 = unit_roundoff(torch.float32)  # the reference's rounding to float32
 
 
 def explicit_max(q, k, scale=None, causal=False, mask=None):
@@ -42,7 +45,7 @@ def qk(b=2, hq=6, hkv=2, lq=9, lk=9, d=8, seed=0, dtype=torch.float32):
 def test_eager_equals_explicit(hkv, causal, chunk):
     q, k = qk(hkv=hkv, seed=hkv)
     got = eager_max_logits(q, k, is_causal=causal, chunk_size=chunk)
-    torch.testing.assert_close(got, explicit_max(q, k, causal=causal), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, explicit_max(q, k, causal=causal), rtol=U32, atol=max_logit_atol(q, k, 8 ** -0.5))
     assert got.dtype == torch.float32 and got.shape == (6,)
 
 
@@ -52,15 +55,16 @@ def test_causal_changes_the_answer():
     k[:, :, -1] = q[:, :, 0] * 10  # the last key aligns with the first query: only non-causal sees it
     full, causal = eager_max_logits(q, k), eager_max_logits(q, k, is_causal=True)
     assert bool((full > causal).all())
-    torch.testing.assert_close(causal, explicit_max(q, k, causal=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(causal, explicit_max(q, k, causal=True), rtol=U32, atol=max_logit_atol(q, k, 8 ** -0.5))
 
 
 def test_cross_attention_lengths_scale_and_bf16():
     q, k = qk(lq=5, lk=11)
     torch.testing.assert_close(eager_max_logits(q, k, scale=0.3, chunk_size=2), explicit_max(q, k, scale=0.3),
-                               rtol=1e-5, atol=1e-5)
+                               rtol=U32, atol=max_logit_atol(q, k, 0.3))
     qb, kb = q.bfloat16(), k.bfloat16()  # computed in fp32 from the bf16 values
-    torch.testing.assert_close(eager_max_logits(qb, kb), explicit_max(qb.float(), kb.float()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eager_max_logits(qb, kb), explicit_max(qb.float(), kb.float()), rtol=U32,
+                               atol=max_logit_atol(qb.float(), kb.float(), 8 ** -0.5))
 
 
 def test_bool_mask_and_mask_mod():
@@ -72,8 +76,9 @@ def test_bool_mask_and_mask_mod():
 
     dense = ((doc[:, None] == doc[None, :]) & torch.ones(8, 8, dtype=torch.bool).tril())[None, None]
     want = explicit_max(q, k, mask=dense)
-    torch.testing.assert_close(eager_max_logits(q, k, mask_mod=mask_mod, chunk_size=3), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(eager_max_logits(q, k, attn_mask=dense, chunk_size=5), want, rtol=1e-5, atol=1e-5)
+    tol = dict(rtol=U32, atol=max_logit_atol(q, k, 8 ** -0.5))
+    torch.testing.assert_close(eager_max_logits(q, k, mask_mod=mask_mod, chunk_size=3), want, **tol)
+    torch.testing.assert_close(eager_max_logits(q, k, attn_mask=dense, chunk_size=5), want, **tol)
     # a head with nothing visible gets -inf (and a per-batch / per-head mask broadcasts)
     per_head = torch.ones(1, 6, 8, 8, dtype=torch.bool)
     per_head[:, 2] = False
@@ -125,8 +130,12 @@ def test_flex_max_scores_reduction_cpu_math():
     block_mask = create_block_mask(causal, None, None, 16, 16, device="cpu")
     _, _, max_scores = math_attention(q, k, v, lambda s, b, h, m, n: s, block_mask.as_tuple(), 8 ** -0.5, {})
     got = max_logits_from_flex(max_scores * math.log(2))
-    torch.testing.assert_close(got, explicit_max(q, k, causal=True), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, eager_max_logits(q, k, mask_mod=causal), rtol=1e-5, atol=1e-5)
+    # the math implementation works in base 2 (scores times fp32 log2(e)), back by fp32 ln 2: two
+    # rounded constants and two products, 4 roundings relative, and the reference's own; the atol
+    # covers the dot products of both sides (twice: both in float32 against eager)
+    tol = dict(rtol=5 * U32, atol=2 * max_logit_atol(q, k, 8 ** -0.5))
+    torch.testing.assert_close(got, explicit_max(q, k, causal=True), **tol)
+    torch.testing.assert_close(got, eager_max_logits(q, k, mask_mod=causal), **tol)
     with pytest.raises(ValueError, match="max_scores"):
         max_logits_from_flex(torch.zeros(2, 3))
 

@@ -45,6 +45,7 @@ from optimizer.newton_schulz import (
     zeropower_via_newtonschulz,
 )
 from test_newton_schulz import log_spectrum, scalar_ns, with_spectrum
+from tolerances import newton_schulz_atol
 
 KINDS = ["randn", "lowrank", "rank1", "cond1e4", "cond1e6"]
 RANK_DEFICIENT = {"lowrank", "rank1"}
@@ -163,10 +164,16 @@ def test_batched_experts_tall_and_wide_match_per_matrix():
     for shape in [(6, 24, 96), (2, 3, 160, 40)]:
         G = torch.randn(shape, generator=g)
         out = zeropower_via_newtonschulz(G, 5, "polar_express", method="gram")
-        flat, ref_flat = out.reshape(-1, *shape[-2:]), G.reshape(-1, *shape[-2:])
+        # batched against one by one: another order, compared in float64 against its rounding bound
+        # (tests/tolerances.py; in float32 the bound says nothing)
+        G64 = G.double()
+        out64 = zeropower_via_newtonschulz(G64, 5, "polar_express", compute_dtype=torch.float64, method="gram")
+        atol = newton_schulz_atol(shape, torch.float64, coefficients="polar_express", method="gram")
+        flat, ref_flat = out64.reshape(-1, *shape[-2:]), G64.reshape(-1, *shape[-2:])
         for i in range(flat.shape[0]):
-            one = zeropower_via_newtonschulz(ref_flat[i], 5, "polar_express", method="gram")
-            torch.testing.assert_close(flat[i], one, atol=1e-5, rtol=0)
+            one = zeropower_via_newtonschulz(ref_flat[i], 5, "polar_express", compute_dtype=torch.float64,
+                                             method="gram")
+            torch.testing.assert_close(flat[i], one, atol=atol, rtol=0)
         classic = zeropower_via_newtonschulz(G, 5, "polar_express", method="classic")
         assert (out - classic).norm() / classic.norm() < 1e-2
 
@@ -198,13 +205,16 @@ def test_symmetric_blocks_give_the_plain_products(monkeypatch):
         got = ns_module._symmetric_product(P, R, S, beta=0.5, alpha=-2.0)
         torch.testing.assert_close(got, 0.5 * S - 2.0 * P @ R)
         monkeypatch.setattr(ns_module, "_SYMMETRIC_MIN_BLOCK", 128)
-    # The forms on small matrices with the shortcut forced on equal the plain products.
-    G = torch.randn(2, 40, 100, generator=g)
-    plain = {m: zeropower_via_newtonschulz(G, 5, method=m) for m in ("classic", "gram")}
+    # The forms on small matrices with the shortcut forced on equal the plain products: the same
+    # iteration in another order, in float64 against its rounding bound (tests/tolerances.py).
+    G = torch.randn(2, 40, 100, generator=g, dtype=torch.float64)
+    f64 = dict(compute_dtype=torch.float64)
+    plain = {m: zeropower_via_newtonschulz(G, 5, method=m, **f64) for m in ("classic", "gram")}
     monkeypatch.setattr(ns_module, "_SYMMETRIC_MIN_BLOCK", 4)
     monkeypatch.setattr(ns_module, "_uses_symmetric_blocks", lambda X: True)
     for method, ref in plain.items():
-        torch.testing.assert_close(zeropower_via_newtonschulz(G, 5, method=method), ref, atol=2e-5, rtol=0)
+        torch.testing.assert_close(zeropower_via_newtonschulz(G, 5, method=method, **f64), ref,
+                                   atol=newton_schulz_atol(G.shape, torch.float64, method=method), rtol=0)
 
 
 # ------------------------------------------------------------------ the 16-bit band

@@ -1,7 +1,9 @@
 """Write ``tests/core/data/pre_variants/``: checkpoints written by Muon before NorMuon, cautious
 weight decay and ``momentum_dtype`` existed (commit 49fa963, layout version 1), and what that
-Muon computed when it continued from them.  ``tests/core/test_checkpoint_variants.py`` loads them
-with today's Muon and requires the same continuation, bit for bit.
+Muon computed when it continued from them (a record: another CPU rounds fp32 matmuls differently,
+so it is not compared).  ``tests/core/test_checkpoint_variants.py`` loads them with today's Muon
+and requires the optimizer and the continuation of the same tensors put into today's Muon by hand
+(tests/state_by_hand.py), bit for bit.
 
     git archive 49fa963 torch-ext | tar -x -C /tmp/pre_variants
     python tests/core/data/make_pre_variants_checkpoint.py /tmp/pre_variants/torch-ext
