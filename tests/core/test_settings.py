@@ -41,13 +41,13 @@ CONSTRUCTOR_ALTERNATIVES = {
     "compute_dtype": torch.float64,
     "qk_clip": QKClipConfig(head_dim=4, threshold=1e9), "distributed_mode": "gather", "chunk_size": 1,
     "lookahead": 2, "replica_split": "never", "replica_split_flops_per_byte": 7.0, "skip_nonfinite": True,
-    "normuon_beta2": 0.9, "cautious_wd": True, "momentum_dtype": torch.bfloat16,
+    "normuon_beta2": 0.9, "cautious_wd": True, "momentum_dtype": torch.bfloat16, "ns_kernels": "torch",
 }
 GROUP_ALTERNATIVES = {
     "lr": 0.03, "weight_decay": 0.2, "momentum": 0.9, "nesterov": False, "ns_steps": 4,
     "ns_coefficients": "polar_express", "ns_method": "classic", "ns_split": "always", "adjust_lr": "original",
     "eps": 1e-6, "betas": (0.8, 0.9), "maximize": True, "muon_row_blocks": "heads:2", "muon_transposed": True,
-    "normuon_beta2": 0.9, "cautious_wd": True, "momentum_dtype": torch.bfloat16,
+    "normuon_beta2": 0.9, "cautious_wd": True, "momentum_dtype": torch.bfloat16, "ns_kernels": "torch",
 }
 
 

@@ -269,3 +269,32 @@ def test_ns_restart_study_runs_and_judges_the_band(tmp_path):
     for s in saved["summary"]:
         if s["dtype"] != "float32":
             assert not s["in_band"]["no restart"]
+
+
+def test_gpu_step_runs_on_cpu_tiny(tmp_path):
+    """benchmarks/gpu_step.py --device cpu --tiny end to end: every contender of ours ran (the torch
+    path here: the Triton kernels' interpreter runs take minutes, and tests/kernels and
+    tests/parallel/test_ns_kernels.py check them), torch.optim.Muon beside it where it takes the
+    model's shapes, floors from the launch's own matmul rate, the JSON is what it returned."""
+    gpu_step = _load("gpu_step")
+    out = tmp_path / "gpu_step.json"
+    result = gpu_step.main(["--device", "cpu", "--tiny", "--warmup", "1", "--repeats", "1",
+                            "--ns-kernels", "torch", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["matmul_flops"] > 0 and result["hardware"]
+    assert [r["shape"] for r in result["ns"]] == ["x".join(map(str, s)) for s in gpu_step.NS_SHAPES_TINY]
+    for row in result["ns"]:
+        assert row["floor_ms"] > 0
+        ours = {k for k in row["ms"] if k.startswith("ours ")}
+        assert ours == {f"ours torch/{f}" for f in ("auto", "classic", "gram")}
+        # torch's iteration takes matrices only, in bf16 only (CPU runs fp32: absent here)
+        assert ("torch.optim.Muon" in row["ms"]) == (row["shape"].count("x") == 1 and result["compute_dtype"] == "torch.bfloat16")
+        assert all(ms > 0 for ms in row["ms"].values())
+    assert [r["model"] for r in result["steps"]] == list(gpu_step.MODELS_TINY)
+    for row in result["steps"]:
+        names = set(row["runs"])
+        assert {f"ours {v} [torch]" for v in ("Muon", "NorMuon", "Muon bf16 momentum")} <= names
+        assert ("torch.optim.Muon" in names) == ("experts" not in row["model"])
+        for name, run in row["runs"].items():
+            assert "error" not in run, (row["model"], name, run)
+            assert run["ms"] > 0 and run["state_gib"] > 0 and run["host_syncs"] is None  # counted on CUDA only

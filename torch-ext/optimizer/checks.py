@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .tensors import is_dtensor
+from .newton_schulz import default_compute_dtype
+from .ns_kernels import kernels_problem
+from .tensors import is_dtensor, local_view
+
 
 def check_group_params(group: dict, names: list[str]) -> None:
     """Parameters a group cannot hold: complex tensors; non-matrices in a Muon group."""
@@ -70,3 +73,13 @@ def gradient_problem(name: str, param: torch.Tensor, grad: torch.Tensor | None, 
             f"{param.placements}; redistribute the gradient to the parameter's placements first."
         )
     return None
+
+
+def kernels_param_problem(name: str, param: torch.Tensor, group: dict, compute_dtype: torch.dtype | None) -> str | None:
+    """Why the group's ``ns_kernels`` cannot run this Muon parameter's Newton–Schulz where its local
+    piece lives (``"triton"`` without Triton, on a device the kernels do not support, ...), or None."""
+    if not group.get("use_muon") or group.get("ns_kernels", "auto") != "triton":
+        return None
+    device = local_view(param).device
+    problem = kernels_problem("triton", device, compute_dtype or default_compute_dtype(device))
+    return None if problem is None else f"Muon: parameter '{name}': {problem}"

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from . import settings as options
 from . import state_layout
 from .adamw import adamw_group_step_, step_as_tensor_
-from .checks import check_group_params
+from .checks import check_group_params, kernels_param_problem
 from .parallel.stats import PipelineStats
 from .qk_clip import QKClipReport, log_report
 from .qk_clip.plan import build_qk_clip_plan
@@ -113,6 +113,10 @@ class Muon(Optimizer):
         options.check_group(group, f"param_groups[{index}]")
         names = [e.name for e in entries_of(self.param_groups) if e.group == index]
         check_group_params(group, names)
+        for name, p in zip(names, group["params"]):
+            problem = kernels_param_problem(name, p, group, self.settings.compute_dtype)
+            if problem:
+                raise ValueError(f"{problem} (param_groups[{index}] ns_kernels)")
         if group["use_muon"] and group.get(ROW_BLOCKS_KEY) is not None:
             for name, p in zip(names, group["params"]):
                 resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], name, f"Muon: param_groups[{index}]"), name, p.shape)

@@ -39,6 +39,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
+from .ns_kernels import resolve as resolve_kernels
+
 Coefficients = tuple[float, float, float]
 CoefficientSpec = Union[str, Coefficients, Sequence[Coefficients]]
 
@@ -509,6 +511,7 @@ def zeropower_via_newtonschulz(
     compute_dtype: torch.dtype | None = None,
     norm_safety: float | None = None,
     method: str = "auto",
+    kernels: str = "auto",
 ) -> Tensor:
     """Approximately orthogonalise every matrix in ``G`` (shape ``[..., m, n]``).
 
@@ -522,6 +525,8 @@ def zeropower_via_newtonschulz(
     the Gram matrix ``X X^T`` is the small one. Returns a tensor of ``G``'s shape in
     :func:`ns_io_dtype` (the compute dtype, default :func:`default_compute_dtype` of ``G``'s
     device, except bf16 for an fp16 iteration on a wider input).
+    ``kernels`` (``optimizer.ns_kernels``) says what runs the products: the Triton kernels of
+    :mod:`optimizer.kernels` or torch's matmuls.
     """
     if G.ndim < 2:
         raise ValueError(
@@ -539,19 +544,26 @@ def zeropower_via_newtonschulz(
     if G.numel() == 0:
         return torch.zeros(shape, dtype=ns_io_dtype(G.dtype, dtype), device=G.device)
     plan = gram_restart_plan(steps, ns_steps, dtype) if form == "gram" else None
-    return _zeropower(G, steps, dtype, plan, norm_safety, eps)
+    return _zeropower(G, steps, dtype, plan, norm_safety, eps, resolve_kernels(kernels, G.device, dtype))
 
 
 def _zeropower(G: Tensor, steps: Sequence[Coefficients], dtype: torch.dtype, plan: Sequence[int] | None,
-               norm_safety: float, eps: float) -> Tensor:
+               norm_safety: float, eps: float, kernels: str = "torch") -> Tensor:
     """The iteration on G in ``dtype``: the Gram form with restart ``plan``, or the classic form
-    (``plan`` None). Also what benchmarks/ns_efficiency.py --restart-study runs other plans with."""
+    (``plan`` None), its products on torch's matmuls or (``kernels="triton"``) on the Triton kernels.
+    Also what benchmarks/ns_efficiency.py --restart-study runs other plans with."""
     shape = G.shape
     X = _normalised(G, dtype, norm_safety, eps)  # [batch, s, l], s <= l
     single = X.shape[0] == 1
     if single:  # 2-D kernels (mm/addmm) for the common unbatched case
         X = X[0]
-    X = _classic_iterations(X, steps) if plan is None else _gram_iterations(X, steps, plan)
+    if kernels == "triton":
+        from .kernels import newton_schulz as on_kernels
+
+        X = (on_kernels.classic_iterations(X, steps, backend="triton") if plan is None
+             else on_kernels.gram_iterations(X, steps, plan, backend="triton"))
+    else:
+        X = _classic_iterations(X, steps) if plan is None else _gram_iterations(X, steps, plan)
     if single:
         X = X.unsqueeze(0)
     if shape[-2] > shape[-1]:

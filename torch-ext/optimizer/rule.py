@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .newton_schulz import zeropower_via_newtonschulz
+from .newton_schulz import default_compute_dtype, ns_io_dtype, zeropower_via_newtonschulz
 from .parallel.split_newton_schulz import (row_sums_of_squares, split_zeropower_via_newtonschulz, squares_per_row,
                                            sum_over_group)
 from .qk_clip.step import apply_clip_
@@ -242,10 +242,11 @@ class NewtonSchulz:
     method: str
     eps: float
     compute_dtype: torch.dtype | None
+    kernels: str = "auto"  # what runs the products (``optimizer.ns_kernels``)
 
     def __call__(self, x: Tensor) -> Tensor:
         return zeropower_via_newtonschulz(x, ns_steps=self.ns_steps, coefficients=self.coefficients, eps=self.eps,
-                                          compute_dtype=self.compute_dtype, method=self.method)
+                                          compute_dtype=self.compute_dtype, method=self.method, kernels=self.kernels)
 
     def split(self, x: Tensor, widths: Sequence[int], group) -> Tensor:
         """This rank's column block of ``self(whole)``, the matrix's column blocks (``widths``, in
@@ -398,6 +399,19 @@ class MatrixStep:
         """The dtype a piece of X is formed in where it is stacked locally: the momentum's
         arithmetic dtype (never a narrower storage dtype of the buffer)."""
         return torch.promote_types(self.grad.dtype, self.buf.dtype)
+
+    @property
+    def stack_dtype(self) -> torch.dtype:
+        """The dtype a unit orthogonalised where it is (held whole) is stacked in: what
+        Newton–Schulz reads (``ns_io_dtype``: the compute dtype, bf16 for an fp16 run) when the
+        compute dtype is narrower than :attr:`input_dtype` (bf16 on CUDA for fp32 momentum), else
+        :attr:`input_dtype`.  The input is formed in the arithmetic dtype and rounded
+        once as it is stored: exactly the cast Newton–Schulz would do first (``_normalised``), as a
+        sharded piece's wire dtype does, without writing and re-reading a wide copy."""
+        ns = getattr(self.orthogonalize, "newton_schulz", None)
+        compute = getattr(ns, "compute_dtype", None) or default_compute_dtype(self.param.device)
+        wide = self.input_dtype
+        return ns_io_dtype(wide, compute) if compute.itemsize < wide.itemsize else wide
 
     @property
     def row_bytes(self) -> int:

@@ -32,6 +32,7 @@ import torch
 from .distributed import agreement
 from .matrix_view import TRANSPOSED_KEY, check_transposed
 from .newton_schulz import check_ns_method, resolve_ns_coefficients
+from .ns_kernels import check_ns_kernels
 from .qk_clip import QKClipConfig, config_record
 from .row_blocks import ROW_BLOCKS_KEY, check_group_row_blocks
 
@@ -121,6 +122,13 @@ def _ns_coefficients(value, where, context) -> None:
 def _ns_method(value, where, context) -> None:
     try:
         check_ns_method(value)
+    except ValueError as err:
+        raise ValueError(f"Muon: `{where}`: {err}") from None
+
+
+def _ns_kernels(value, where, context) -> None:
+    try:
+        check_ns_kernels(value)
     except ValueError as err:
         raise ValueError(f"Muon: `{where}`: {err}") from None
 
@@ -302,6 +310,11 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
                 _ns_coefficients, plan=True),
     GroupOption("ns_method", (MUON,), "auto", "'auto' (fewer FLOPs per shape and dtype), 'classic' or 'gram'",
                 _ns_method, plan=True),
+    GroupOption("ns_kernels", (MUON,), "auto",
+                "what runs Newton–Schulz's products: 'auto' the Triton kernels (one triangle of every symmetric "
+                "product, fused epilogues) on CUDA GPUs they support and torch elsewhere, 'torch' torch's matmuls, "
+                "'triton' the kernels (on CPU only under TRITON_INTERPRET=1); a matrix cut by ns_split runs torch's",
+                _ns_kernels, plan=True, optional=True),
     GroupOption("eps", (MUON,), 1e-7, "Newton–Schulz normalisation epsilon: X / max(||X||_F, eps), in fp32 "
                 "(torch.optim.Muon's eps)", _positive),
     GroupOption("ns_split", (MUON,), "auto",

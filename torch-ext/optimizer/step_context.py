@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import settings as options
-from .checks import gradient_problem, param_problem
+from .checks import gradient_problem, kernels_param_problem, param_problem
 from .distributed import agreement, groups
 from .distributed.layout import MeshGrid, ParamLayout
 from .newton_schulz import default_compute_dtype, newton_schulz_flops, ns_io_dtype
@@ -159,6 +159,8 @@ class StepContext:
         self._clip_index: dict[int, torch.Tensor] = {}
         self.missing_groups: list[tuple[int, ...]] = []
         self.errors += [problem for e in entries if (problem := param_problem(e.name, e.param))]
+        self.errors += [problem for e in entries if (problem := kernels_param_problem(
+            e.name, e.param, param_groups[e.group], settings.compute_dtype))]
         if self.errors:
             return
         if settings.qk_clip is not None:

@@ -129,4 +129,4 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
 
 def _newton_schulz(group, settings: MuonSettings) -> NewtonSchulz:
     return NewtonSchulz(group["ns_steps"], group["ns_coefficients"], group.get("ns_method", "auto"), group["eps"],
-                        settings.compute_dtype)
+                        settings.compute_dtype, group.get("ns_kernels", "auto"))

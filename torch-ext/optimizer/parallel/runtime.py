@@ -66,6 +66,9 @@ class Stages(Protocol):
     def input_dtype(self) -> torch.dtype: ...
 
     @property
+    def stack_dtype(self) -> torch.dtype: ...
+
+    @property
     def row_bytes(self) -> int: ...
 
     def input_into(self, out: torch.Tensor, region: tuple) -> None: ...
@@ -409,7 +412,7 @@ def run_local(plan: StepPlan, steps: Sequence[Stages], stats: PipelineStats) -> 
     groups: dict[tuple, list] = {}
     for job in plan.local:
         s = steps[job.param]
-        groups.setdefault((s.batch_key, job.shape, s.input_dtype, s.row_bytes), []).append(job)
+        groups.setdefault((s.batch_key, job.shape, s.stack_dtype, s.row_bytes), []).append(job)
     cap = plan.local_batch_bytes
     batches = []
     for jobs in groups.values():  # batched by shape, each batch within the memory bound
@@ -419,8 +422,8 @@ def run_local(plan: StepPlan, steps: Sequence[Stages], stats: PipelineStats) -> 
         with stats.time("orthogonalize"):
             s0 = steps[jobs[0].param]
             shape = jobs[0].shape
-            stacked = torch.empty((len(jobs), *shape), dtype=s0.input_dtype, device=s0.param.device)
-            slots = row_slots(s0.row_bytes, s0.input_dtype)
+            stacked = torch.empty((len(jobs), *shape), dtype=s0.stack_dtype, device=s0.param.device)
+            slots = row_slots(s0.row_bytes, s0.stack_dtype)
             rows = stacked.new_empty((len(jobs), *shape[:-1], slots)) if slots else None
             for i, job in enumerate(jobs):
                 steps[job.param].input_into(stacked[i], job.region)
