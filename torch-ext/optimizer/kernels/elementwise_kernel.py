@@ -50,13 +50,15 @@ _THROUGH = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @triton.jit
-def _lerp(start, end, weight, SMALL: tl.constexpr):
-    """torch's lerp (aten/src/ATen/native/Lerp.h) with a scalar weight: ``start + w (end - start)``
-    for |w| < 0.5, else ``end - (end - start)(1 - w)``, each one FMA."""
+def _lerp(start, end, coefficient, SMALL: tl.constexpr):
+    """torch's lerp (aten/src/ATen/native/Lerp.h) with a scalar weight w: ``start + w (end - start)``
+    for |w| < 0.5, else ``end - (end - start)(1 - w)``, each one FMA. ``coefficient``: w, or w - 1,
+    formed on the host in fp32 (:func:`_lerp_coefficient`), so the kernel does no scalar arithmetic
+    (the interpreter would do it in fp64 on a Python float, a GPU in fp32)."""
     diff = end - start
     if SMALL:
-        return tl.fma(diff, weight, start)
-    return tl.fma(diff, weight - 1.0, end)
+        return tl.fma(diff, coefficient, start)
+    return tl.fma(diff, coefficient, end)
 
 
 @triton.jit
@@ -100,7 +102,7 @@ def _momentum_nesterov_kernel(
     stride_bb, stride_bm, stride_bn,
     stride_gb, stride_gm, stride_gn,
     stride_ob, stride_om, stride_on,
-    weight, momentum,
+    ema_coefficient, nesterov_coefficient,
     UPDATE: tl.constexpr,
     HAS_OUT: tl.constexpr,
     NESTEROV: tl.constexpr,
@@ -123,12 +125,12 @@ def _momentum_nesterov_kernel(
         g = -g
     b = tl.load(b_ptrs, mask=inside, other=0.0).to(tl.float32)
     if UPDATE:
-        stored = _store_dtype(_lerp(b, g, weight, EMA_SMALL), Buf.dtype.element_ty, BUF_BF16_IN_INTEGERS)
+        stored = _store_dtype(_lerp(b, g, ema_coefficient, EMA_SMALL), Buf.dtype.element_ty, BUF_BF16_IN_INTEGERS)
         tl.store(b_ptrs, stored, mask=inside)
         b = stored.to(tl.float32)  # the Nesterov input reads the momentum as stored
     if HAS_OUT:
         if NESTEROV:
-            x = _lerp(g, b, momentum, NESTEROV_SMALL)
+            x = _lerp(g, b, nesterov_coefficient, NESTEROV_SMALL)
         else:
             x = b
         x = _through(x, WORK_THROUGH, INTERPRETED_)
@@ -165,7 +167,10 @@ def _apply_update_kernel(
         else:
             f = factor
         if CAUTIOUS:  # f = -lr wd, added where the parameter and the update agree in sign
-            p = tl.where(p * u >= 0, p + f * p, p)
+            if FACTOR_ON_DEVICE:  # torch's addcmul_(p, mask * lr wd, value=-1): one FMA
+                p = tl.where(p * u >= 0, tl.fma(p, f, p), p)
+            else:  # torch's addcmul_(p, mask, value=-lr wd): the product rounded, then the sum
+                p = tl.where(p * u >= 0, p + f * p, p)
         else:  # f = 1 - lr wd
             p = p * f
         p = _through(p, P_THROUGH, INTERPRETED_)  # torch stores the decayed parameter first
@@ -186,15 +191,16 @@ def momentum_nesterov_triton(
 ) -> Tensor | None:
     """Launch the momentum/Nesterov kernel (operands checked by ``elementwise.py``)."""
     work = dtype or torch.promote_types(buf.dtype, grad.dtype)
-    weight = 1.0 - momentum
+    (ema_small, ema_coefficient), (nesterov_small, nesterov_coefficient) = (
+        _lerp_coefficient(1.0 - momentum), _lerp_coefficient(momentum))
     operands = [buf, grad] + ([out] if out is not None else [])
     for launch, (b, g, o) in _launches(operands, 3):
         launch(_momentum_nesterov_kernel)(
             b.tensor, g.tensor, (o or b).tensor,
             *b.size, *b.strides, *g.strides, *(o or b).strides,
-            weight, float(momentum),
+            ema_coefficient, nesterov_coefficient,
             UPDATE=update_momentum, HAS_OUT=out is not None, NESTEROV=nesterov, MAXIMIZE=maximize,
-            EMA_SMALL=abs(weight) < 0.5, NESTEROV_SMALL=abs(momentum) < 0.5,
+            EMA_SMALL=ema_small, NESTEROV_SMALL=nesterov_small,
             WORK_THROUGH=_through_code(work, out),
             BUF_BF16_IN_INTEGERS=INTERPRETED and buf.dtype == torch.bfloat16,
             OUT_BF16_IN_INTEGERS=INTERPRETED and out is not None and out.dtype == torch.bfloat16,
@@ -214,14 +220,29 @@ def apply_update_triton(
         launch(_apply_update_kernel)(
             p.tensor, u.tensor, factor if factor_on_device else p.tensor, adjusted_lr if lr_on_device else p.tensor,
             *p.size, *p.strides, *u.strides,
-            0.0 if factor is None or factor_on_device else float(factor),
-            0.0 if lr_on_device else -float(adjusted_lr),
+            0.0 if factor is None or factor_on_device else _fp32(factor),
+            0.0 if lr_on_device else -_fp32(adjusted_lr),
             DECAY=factor is not None, CAUTIOUS=cautious,
             FACTOR_ON_DEVICE=factor_on_device, LR_ON_DEVICE=lr_on_device,
             P_THROUGH=_THROUGH[param.dtype],
             P_BF16_IN_INTEGERS=INTERPRETED and param.dtype == torch.bfloat16,
             INTERPRETED_=INTERPRETED,
         )
+
+
+def _fp32(value: float) -> float:
+    """``value`` rounded to fp32 on the host, as a GPU kernel receives a float argument (the
+    interpreter would keep a Python float's fp64 value)."""
+    return float(torch.tensor(float(value), dtype=torch.float32))
+
+
+def _lerp_coefficient(weight: float) -> tuple[bool, float]:
+    """(|w| < 0.5, the FMA's coefficient): torch's weight rounded to fp32 (its opmath), and for the
+    second branch w - 1 in fp32 (exact for w in [0.5, 2], Sterbenz; rounded once otherwise)."""
+    w32 = _fp32(weight)
+    if abs(w32) < 0.5:
+        return True, w32
+    return False, float(torch.tensor(w32, dtype=torch.float32) - 1)
 
 
 def _through_code(work: torch.dtype, out: Tensor | None) -> int:

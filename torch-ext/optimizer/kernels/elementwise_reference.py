@@ -10,8 +10,10 @@ The arithmetic is torch's own for these stages (``rule.momentum_``, ``rule.neste
   multiply-add (the CUDA build contracts them, the CPU kernel calls ``fmadd``), w rounded to fp32;
 * the momentum stored in its own dtype (rounded once), and read back as stored for the Nesterov
   input, which is rounded to the momentum's arithmetic dtype and then stored in ``out``'s;
-* ``param * (1 - lr wd)`` (or cautious: ``param + (-lr wd) param`` where ``param * update >= 0``)
-  rounded to the parameter's dtype, as torch's first in-place pass stores it; then
+* ``param * (1 - lr wd)`` (or cautious: ``param + (-lr wd) param`` where ``param * update >= 0``,
+  the product rounded first for a float lr, one FMA for a tensor lr, as torch's ``addcmul_`` with
+  the factor in ``value`` or in the mask computes them) rounded to the parameter's dtype, as
+  torch's first in-place pass stores it; then
   ``param + (-adjusted_lr) update`` as one fused multiply-add (torch's ``add_(alpha=...)``).
 
 An fp32 fused multiply-add is computed exactly here (:func:`fma32`: the exact product in fp64,
@@ -89,7 +91,9 @@ def apply_update_reference(
     p, u = param.to(ACC), update.to(ACC)
     if weight_decay != 0:
         f = as_fp32(decay_factor(lr, weight_decay, cautious))
-        if cautious:
+        if cautious and isinstance(lr, Tensor):  # torch: addcmul_(p, mask * lr wd, value=-1), one FMA
+            p = torch.where(p * u >= 0, fma32(p, f, p), p)
+        elif cautious:  # torch: addcmul_(p, mask, value=-lr wd), the product rounded first
             p = torch.where(p * u >= 0, p + f * p, p)
         else:
             p = p * f
