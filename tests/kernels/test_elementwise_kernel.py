@@ -219,7 +219,8 @@ def test_tensor_lr_equals_float_lr():
         elementwise.apply_update_(a, update, 0.02, 0.05, 0.1, cautious, backend="triton")
         elementwise.apply_update_(b, update, torch.tensor(0.02), torch.tensor(0.05), 0.1, cautious, backend="triton")
         if cautious:
-            assert ((a.double() - b.double()).abs() <= U32 * (0.002 * param.double().abs() + a.double().abs())).all()
+            # the decayed values differ by at most one rounding of it, and each result by one more
+            assert ((a.double() - b.double()).abs() <= 4 * U32 * (param.double().abs() + a.double().abs())).all()
         else:
             assert torch.equal(a, b)
         assert not torch.equal(a, param)
