@@ -98,6 +98,34 @@ def test_fused_stages_equal_the_torch_formulas_bitwise(variant, products_on_torc
         assert torch.equal(fused[n], on_torch[n]), (variant, n, (fused[n] - on_torch[n]).abs().max())
 
 
+def test_a_skipped_step_leaves_the_fused_state_untouched(products_on_torch):
+    """skip_nonfinite: a step with a NaN gradient changes neither weights nor momentum on the
+    fused path (the skip is decided before any stage runs), and the run goes on as torch's."""
+    from optimizer import Muon
+
+    def run(ns_kernels):
+        gen = torch.Generator().manual_seed(1)
+        p = torch.nn.Parameter(torch.randn(32, 64, generator=gen))
+        opt = Muon([{"params": [p], "param_names": ["w"], "use_muon": True}], lr=0.02, weight_decay=0.1,
+                   compute_dtype=torch.float32, ns_kernels=ns_kernels, skip_nonfinite=True)
+        snapshots = []
+        for step in range(3):
+            g = torch.randn(32, 64, generator=gen)
+            if step == 1:
+                g[3, 5] = float("nan")
+            p.grad = g
+            opt.step()
+            snapshots.append((p.detach().clone(), opt.state[p]["momentum_buffer"].clone(), opt.last_step_skipped))
+        return snapshots
+
+    on_torch, fused = run("torch"), run("triton")
+    assert products_on_torch["apply_update"] == 2  # two steps ran on the kernels, one was skipped
+    assert [s[2] for s in fused] == [False, True, False]
+    assert torch.equal(fused[1][0], fused[0][0]) and torch.equal(fused[1][1], fused[0][1])
+    for (pt, bt, _), (pf, bf, _) in zip(on_torch, fused):
+        assert torch.equal(pt, pf) and torch.equal(bt, bf)
+
+
 def test_auto_keeps_the_torch_formulas_on_cpu(products_on_torch):
     _steps("auto", "plain")
     assert products_on_torch == {"momentum_nesterov": 0, "apply_update": 0}
