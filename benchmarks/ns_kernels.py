@@ -18,7 +18,13 @@ compiled-kernel correctness check: the tests run the kernels under the interpret
 classic Newton–Schulz steps: the torch iteration (``newton_schulz._classic_iterations``) against
 ``kernels.newton_schulz.classic_iterations`` with ``backend="auto"`` and ``"triton"``, and the
 classic FLOP floor at the bf16 matmul rate measured in the same launch (8192^3). Ratios < 1 mean
-the kernels are faster. Results: ``bench_results/ns_kernels_<tag>.{json,md}``.
+the kernels are faster.
+
+Then the elementwise stages around Newton–Schulz (``kernels/elementwise.py``) on each shape as an
+fp32 weight with fp32 momentum and gradient and a bf16 update/input: torch's formulas
+(``rule.momentum_``, ``rule.nesterov_input_``, ``rule.apply_update_``, plain and cautious) against
+the fused kernels, each stage's median time, the bytes it moves by the model of docs/kernels.md
+(per entry) and the bandwidth that implies. Results: ``bench_results/ns_kernels_<tag>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -118,6 +124,7 @@ def main(argv=None) -> dict:
         for backend in ("auto", "triton"):
             row[f"ns_kernels_{backend}_ms"] = timed(lambda: kernel_ns.classic_iterations(X, STEPS, backend=backend))
         row["floor_ms"] = floor_ms
+        row["elementwise"] = _elementwise_stages(shape, device, timed)
         rows.append(row)
 
     result = {
@@ -127,6 +134,52 @@ def main(argv=None) -> dict:
     }
     _write(result, Path(args.out), args.tag or device.type)
     return result
+
+
+# Bytes per entry each stage moves (fp32 weight, momentum and gradient; bf16 input and update):
+# reads plus writes of every pass, as docs/kernels.md counts them.
+ELEMENTWISE_BYTES = {
+    "momentum": {"torch": 12, "fused": 12},            # lerp_(buf, g): read g, buf; write buf
+    "nesterov input": {"torch": 10, "fused": 10},      # lerp(g, buf, out=bf16): read g, buf; write x
+    "decay + update": {"torch": 18, "fused": 10},      # mul_ (8), add_ (10) | read p, u; write p
+    "cautious decay + update": {"torch": 44, "fused": 10},  # mask (10), ge_ (8), addcmul_ (16), add_ (10)
+}
+
+
+def _elementwise_stages(shape, device, timed) -> dict:
+    """Each elementwise stage on a weight of ``shape``: torch's formulas and the fused kernel."""
+    import torch
+
+    from optimizer import rule
+    from optimizer.kernels import elementwise
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    p, buf, g = (torch.randn(shape, device=device, generator=gen) for _ in range(3))
+    u = torch.randn(shape, device=device, generator=gen).to(torch.bfloat16)
+    x = torch.empty(shape, device=device, dtype=torch.bfloat16)
+    lr, alr, wd = 0.02, 0.02 * 0.2 * max(shape[-2:]) ** 0.5, 0.1
+    calls = {
+        "momentum": (lambda: rule.momentum_([buf], [g], 0.95),
+                     lambda: elementwise.momentum_nesterov_(buf, g, None, 0.95, True, backend="triton")),
+        "nesterov input": (lambda: rule.nesterov_input_(x, g, buf, 0.95, True),
+                           lambda: elementwise.momentum_nesterov_(buf, g, x, 0.95, True, update_momentum=False,
+                                                                  backend="triton")),
+        "decay + update": (lambda: rule.apply_update_(p, u, lr, alr, wd),
+                           lambda: elementwise.apply_update_(p, u, lr, alr, wd, backend="triton")),
+        "cautious decay + update": (lambda: rule.apply_update_(p, u, lr, alr, wd, True),
+                                    lambda: elementwise.apply_update_(p, u, lr, alr, wd, True, backend="triton")),
+    }
+    n = p.numel()
+    out = {}
+    for stage, (torch_fn, fused_fn) in calls.items():
+        entry = {}
+        for label, fn in (("torch", torch_fn), ("fused", fused_fn)):
+            ms = timed(fn)
+            nbytes = ELEMENTWISE_BYTES[stage][label] * n
+            entry[label] = {"ms": ms, "bytes": nbytes, "gb_per_s": nbytes / ms / 1e6}
+        entry["ratio"] = entry["fused"]["ms"] / entry["torch"]["ms"]
+        out[stage] = entry
+    return out
 
 
 def _cuda_available() -> bool:
@@ -193,6 +246,15 @@ def _write(result: dict, out: Path, tag: str) -> None:
             f"| {row['shape']} | {base:.3f} | {row['ns_kernels_auto_ms']:.3f} ({row['ns_kernels_auto_ms'] / base:.2f}) "
             f"| {row['ns_kernels_triton_ms']:.3f} ({row['ns_kernels_triton_ms'] / base:.2f}) | {row['floor_ms']:.3f} |"
         )
+    lines += ["", "Elementwise stages (fp32 weight, momentum, gradient; bf16 input and update): bytes per entry "
+              "by the model, ms, GB/s implied; ratio = fused / torch.", "",
+              "| shape | stage | torch B/entry, ms (GB/s) | fused B/entry, ms (GB/s) | ratio |", "|---|---|---|---|---|"]
+    for row in result["rows"]:
+        n = max(1, row["elementwise"]["momentum"]["torch"]["bytes"] // 12)
+        for stage, e in row["elementwise"].items():
+            t, f = e["torch"], e["fused"]
+            lines.append(f"| {row['shape']} | {stage} | {t['bytes'] // n}, {t['ms']:.3f} ({t['gb_per_s']:.0f}) "
+                         f"| {f['bytes'] // n}, {f['ms']:.3f} ({f['gb_per_s']:.0f}) | {e['ratio']:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     out.mkdir(parents=True, exist_ok=True)

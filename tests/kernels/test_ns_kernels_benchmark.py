@@ -1,6 +1,6 @@
 """benchmarks/ns_kernels.py end to end on a tiny shape under the interpreter: every product and
 tile is reported, the kernels' results equal cuBLAS's (here torch's CPU matmul) within bf16
-rounding, and the files parse. The timings are not checked (they are measurements)."""
+rounding, the elementwise stages are reported, and the files parse. The timings are not checked (they are measurements)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,10 @@ def test_tiny_run(tmp_path):
         assert tile["ms"] > 0 and entry["cublas_ms"] > 0
     assert all(row[key] > 0 for key in ("ns_torch_ms", "ns_kernels_auto_ms", "ns_kernels_triton_ms", "floor_ms"))
     assert "| 37x53 | X X^T |" in (tmp_path / "ns_kernels_smoke.md").read_text()
+    # the elementwise stages: torch's and the fused kernels', each timed, bytes by the model
+    stages = row["elementwise"]
+    assert set(stages) == {"momentum", "nesterov input", "decay + update", "cautious decay + update"}
+    for e in stages.values():
+        assert e["torch"]["ms"] > 0 and e["fused"]["ms"] > 0 and e["ratio"] > 0
+        assert e["fused"]["bytes"] <= e["torch"]["bytes"] and e["fused"]["bytes"] % (37 * 53) == 0
+    assert "| 37x53 | decay + update | 18," in (tmp_path / "ns_kernels_smoke.md").read_text()

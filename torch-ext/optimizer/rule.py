@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .kernels import elementwise
 from .newton_schulz import default_compute_dtype, ns_io_dtype, zeropower_via_newtonschulz
 from .parallel.split_newton_schulz import (row_sums_of_squares, split_zeropower_via_newtonschulz, squares_per_row,
                                            sum_over_group)
@@ -140,6 +141,20 @@ def apply_update_(
         param.addcmul_(update, adjusted_lr.to(param.dtype), value=-1)
     else:
         param.add_(update, alpha=-adjusted_lr)
+
+
+def fused_elementwise(ns_kernels: str, *pieces: Tensor) -> bool:
+    """Whether a parameter's elementwise stages (momentum, Nesterov input, weight decay and update)
+    run on the fused Triton kernels (kernels/elementwise.py): where its group's ``ns_kernels``
+    resolves to the kernels on the pieces' device, and the pieces (parameter, momentum, gradient)
+    are 16/32-bit floats of at most 3 dims.  Elsewhere (``"torch"``, ``"auto"`` off CUDA, fp64,
+    more dims) the torch formulas above run, unchanged.  ``"triton"`` where the kernels cannot run
+    was refused before the step (``ns_kernels.kernels_problem``)."""
+    if ns_kernels == "torch":
+        return False
+    if not elementwise.takes(*(t.dtype for t in pieces)) or any(t.ndim > elementwise.MAX_DIMS for t in pieces):
+        return False
+    return elementwise.resolve(ns_kernels, pieces[0].device) == "triton"
 
 
 # ---------------------------------------------------------------------------- NorMuon
@@ -393,11 +408,19 @@ class MatrixStep:
     clip: tuple[Tensor, Tensor] | None = None  # QK-clip: (scale table, table slot of every local row)
     row_state: Tensor | None = None  # NorMuon's v of the local rows
     cautious: bool = False  # cautious weight decay
+    # The elementwise stages on the fused Triton kernels (kernels/elementwise.py; ``ns_kernels``
+    # resolved to Triton for this piece, :func:`fused_elementwise`): then ``grad`` is the gradient
+    # as stored (not negated, not converted), ``maximize`` says its sign, and ``buf`` was updated
+    # by the momentum kernel.  False: the torch formulas above, unchanged.
+    fused: bool = False
+    maximize: bool = False
 
     @property
     def input_dtype(self) -> torch.dtype:
         """The dtype a piece of X is formed in where it is stacked locally: the momentum's
         arithmetic dtype (never a narrower storage dtype of the buffer)."""
+        if self.fused:  # grad as stored (bf16 grads of fp32 params): the parameter's dtype is the arithmetic one
+            return torch.promote_types(self.param.dtype, self.buf.dtype)
         return torch.promote_types(self.grad.dtype, self.buf.dtype)
 
     @property
@@ -444,6 +467,11 @@ class MatrixStep:
         return self.orthogonalize.split(x, widths, group, rows, transpose)
 
     def input_into(self, out: Tensor, region: tuple = ()) -> None:
+        if self.fused:  # one pass: reads grad and buf, writes out
+            elementwise.momentum_nesterov_(_region(self.buf, region), _region(self.grad, region), out, self.momentum,
+                                           self.nesterov, self.maximize, update_momentum=False,
+                                           dtype=self.input_dtype, backend="triton")
+            return
         nesterov_input_(out, _region(self.grad, region), _region(self.buf, region), self.momentum, self.nesterov)
 
     def row_state_into(self, out: Tensor, region: tuple = ()) -> None:
@@ -454,6 +482,10 @@ class MatrixStep:
         """Weight decay and the update of the piece; with NorMuon, store its rows of the new v."""
         if rows is not None and self.row_state is not None:
             _region(self.row_state, self._rows_region(region)).copy_(decode_rows(rows))
+        if self.fused:  # one pass: reads param and update, writes param
+            elementwise.apply_update_(_region(self.param, region), update, self.lr, self.adjusted_lr,
+                                      self.weight_decay, self.cautious, backend="triton")
+            return
         apply_update_(_region(self.param, region), update, self.lr, self.adjusted_lr, self.weight_decay,
                       self.cautious)
 

@@ -311,9 +311,11 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
     GroupOption("ns_method", (MUON,), "auto", "'auto' (fewer FLOPs per shape and dtype), 'classic' or 'gram'",
                 _ns_method, plan=True),
     GroupOption("ns_kernels", (MUON,), "auto",
-                "what runs Newton–Schulz's products: 'auto' the Triton kernels (one triangle of every symmetric "
-                "product, fused epilogues) on CUDA GPUs they support and torch elsewhere, 'torch' torch's matmuls, "
-                "'triton' the kernels (on CPU only under TRITON_INTERPRET=1); a matrix cut by ns_split runs torch's",
+                "what runs Newton–Schulz's products and the fused elementwise stages around them (momentum, "
+                "Nesterov input, weight decay with the update, docs/kernels.md): 'auto' the Triton kernels (one "
+                "triangle of every symmetric product, fused epilogues, one pass per elementwise stage) on CUDA GPUs "
+                "they support and torch elsewhere, 'torch' torch's matmuls and elementwise ops, 'triton' the kernels "
+                "(on CPU only under TRITON_INTERPRET=1); a matrix cut by ns_split runs its products on torch's",
                 _ns_kernels, plan=True, optional=True),
     GroupOption("eps", (MUON,), 1e-7, "Newton–Schulz normalisation epsilon: X / max(||X||_F, eps), in fp32 "
                 "(torch.optim.Muon's eps)", _positive),

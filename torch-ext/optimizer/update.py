@@ -10,11 +10,12 @@ from collections.abc import MutableMapping
 import torch
 
 from .matrix_view import local_matrix, row_state_layout
+from .kernels import elementwise
 from .parallel.runtime import gather_everything, run_parallel_muon
 from .parallel.stats import PipelineStats
 from .qk_clip.step import ClipStep
-from .rule import (MatrixStep, NewtonSchulz, OwnerStage, adjust_lr, momentum_, momentum_dtype, normuon_on,
-                   row_state_dtype, work_dtype)
+from .rule import (MatrixStep, NewtonSchulz, OwnerStage, adjust_lr, fused_elementwise, momentum_, momentum_dtype,
+                   normuon_on, row_state_dtype, work_dtype)
 from .settings import MuonSettings
 from .state_layout import MOMENTUM_KEY, ROW_STATE_KEY
 from .step_context import StepContext
@@ -92,7 +93,8 @@ def row_states(params: list[torch.Tensor], groups, transposed: list[bool],
 
 def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSettings,
                  clip: ClipStep | None) -> list[MatrixStep]:
-    """The momentum on every local piece (one foreach call per momentum and sign), then each
+    """The momentum on every local piece (one foreach call per momentum and sign; one kernel per
+    piece where the elementwise stages are fused, ``rule.fused_elementwise``), then each
     parameter's stages with this step's hyper-parameters."""
     params, groups = context.muon_params, context.muon_groups
     views = [e.transposed for e in context.muon]  # [in, out] weights read as [out, in] (matrix_view.py)
@@ -101,8 +103,14 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
     grads = [local_matrix(local_view(p.grad), t) for p, t in zip(params, views)]
     work = [work_dtype(p, g) for p, g in zip(params, groups)]
     signed = list(grads)
+    fused = [fused_elementwise(g.get("ns_kernels", "auto"), local_view(p), b, grad)
+             for p, g, b, grad in zip(params, groups, bufs, grads)]
     by_momentum: dict[tuple[float, bool], list[int]] = {}
     for i, group in enumerate(groups):
+        if fused[i]:  # the momentum kernel: one pass, the gradient read as stored (its sign a flag)
+            elementwise.momentum_nesterov_(bufs[i], grads[i], None, group["momentum"], group["nesterov"],
+                                           bool(group.get("maximize", False)), dtype=work[i], backend="triton")
+            continue
         by_momentum.setdefault((group["momentum"], bool(group.get("maximize", False))), []).append(i)
     for (momentum, maximize), idx in by_momentum.items():
         moved = momentum_([bufs[i] for i in idx], [grads[i] for i in idx], momentum, maximize, [work[i] for i in idx])
@@ -123,6 +131,7 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
             nesterov=group["nesterov"], lr=lr, adjusted_lr=adjust_lr(lr, context.muon[i].shape, group["adjust_lr"]),
             weight_decay=group["weight_decay"], orthogonalize=stage, clip=context.clip_rows(i, clip),
             row_state=rows[i], cautious=bool(group.get("cautious_wd", False)),
+            fused=fused[i], maximize=bool(group.get("maximize", False)),
         ))
     return steps
 

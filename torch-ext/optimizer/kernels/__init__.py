@@ -13,7 +13,9 @@ checked before anything runs (operands.py); results are rounded once from an fp3
 
 Files: symmetric_kernel.py and matmul_add_kernel.py (the kernels), reference.py (the torch versions,
 same signatures), tiles.py (the tile rule), backend.py (where the kernels run), newton_schulz.py
-(the classic iteration and the Gram-space segment on these products). Triton is imported only
+(the classic iteration and the Gram-space segment on these products); elementwise.py,
+elementwise_kernel.py and elementwise_reference.py: the fused elementwise stages of a step
+(momentum, Nesterov input, weight decay with the update). Triton is imported only
 when a kernel is first used, so this package imports without it. docs/kernels.md has the details.
 """
 

@@ -136,7 +136,7 @@ def _loaded_compiled() -> bool:
     zeros = getattr(sys.modules.get("triton.language"), "zeros", None)
     if zeros is not None and type(zeros).__name__ == "JITFunction":
         return True
-    for name in ("symmetric_kernel", "matmul_add_kernel"):
+    for name in ("symmetric_kernel", "matmul_add_kernel", "elementwise_kernel"):
         module = sys.modules.get(f"{__package__}.{name}")
         if module is not None and not module.INTERPRETED:
             return True
