@@ -660,7 +660,7 @@ def test_muon_patterns_cannot_claim_what_muon_cannot_read_as_a_matrix(caplog):
 # A Muon option added to settings.GROUP_OPTIONS without an entry here fails the test below.
 MUON_GROUP_VALUES = {
     "lr": 0.03, "weight_decay": 0.2, "momentum": 0.9, "nesterov": False, "ns_steps": 4,
-    "ns_coefficients": "polar_express", "ns_method": "classic", "eps": 1e-6, "ns_split": "never",
+    "ns_coefficients": "polar_express", "ns_method": "classic", "eps": 1e-6, "ns_split": "never", "ns_kernels": "torch",
     "adjust_lr": "original", "maximize": True, "muon_transposed": False, "normuon_beta2": 0.9,
     "cautious_wd": True, "momentum_dtype": torch.bfloat16,
 }
