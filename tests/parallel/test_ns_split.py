@@ -191,7 +191,7 @@ def test_a_misassigned_block_is_caught(monkeypatch):
     comparison above must fail.  (Moving whole slices between blocks would not be an error:
     Newton–Schulz does not care which columns form a block, as long as gather and scatter
     agree.)"""
-    from optimizer.parallel import plan, split_plan
+    from optimizer.parallel import plan_rank, split_plan
 
     real = split_plan.cut_blocks
 
@@ -201,7 +201,7 @@ def test_a_misassigned_block_is_caught(monkeypatch):
             rows[1] = rows[0]
         return rows
 
-    monkeypatch.setattr(plan, "cut_blocks", wrong)  # the forked ranks inherit it
+    monkeypatch.setattr(plan_rank, "cut_blocks", wrong)  # the forked ranks inherit it
     with pytest.raises(AssertionError):
         _check("fsdp_2", qk=False)
 

@@ -243,15 +243,15 @@ def test_units_held_whole_count_when_choosing_cuts():
     """Experts held whole on ranks 0-3 (Shard(0), one each) cost as much as the one dense matrix:
     cutting the dense matrix cannot lower the busiest rank (an expert's holder), so it stays whole;
     counted without them, the cut would be taken (and ship its collectives for nothing)."""
-    from optimizer.parallel import plan
+    from optimizer.parallel import plan_world
 
     specs = [("experts", (4, 256, 1024), [Shard(0)]), ("dense", (256, 1024), [Shard(0)])]
     params = _params((8,), range(8), specs, _model())
     cut = lambda: [j for jobs, _ in world_jobs(params, PlanSettings()) for j in jobs if j.cut is not None]  # noqa: E731
     assert cut() == []
-    real = plan._held_loads
+    real = plan_world._held_loads
     try:
-        plan._held_loads = lambda params, local: dict  # blind to them
+        plan_world._held_loads = lambda params, local: dict  # blind to them
         assert cut()
     finally:
-        plan._held_loads = real
+        plan_world._held_loads = real

@@ -476,6 +476,30 @@ def split_zeropower_via_newtonschulz(
 def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm_safety, method, b_split,
               hardware, record):
     """The implementation; ``record`` (tests): a list that receives every replicated matrix."""
+    k, rank, widths, steps, norm_safety, dtype = _checked_call(X, widths, group, ns_steps, coefficients,
+                                                                norm_safety, method, b_split, compute_dtype)
+    if X.numel() == 0:  # no rows, or an empty batch: the same on every member, no collective
+        return torch.zeros(X.shape, dtype=dtype, device=X.device)
+    m, ni = X.shape[-2], X.shape[-1]
+    full = (*X.shape[:-1], sum(widths))
+    form = choose_ns_method(full, ns_steps, method, dtype, steps)
+    plan = gram_restart_plan(steps, ns_steps, dtype) if form == "gram" else (1,) * ns_steps
+    if b_split == "auto":
+        b_split = choose_b_split(full, k, dtype, hardware or hardware_for(X.device))
+    rows = k > 1 and b_split == "rows"
+
+    Xb = X.to(dtype).reshape(-1, m, ni)
+    if Xb.shape[0] == 1:  # 2-D kernels for a single matrix, as the unsplit code
+        Xb = Xb[0]
+    symmetric = _uses_symmetric_blocks(Xb)
+    Xb, A = _normalise_first_gram(Xb, X.dtype, dtype, norm_safety, eps, symmetric, k, group)
+    Xb = _iterate(Xb, A, steps, plan, rows, symmetric, k, rank, group, record)
+    return Xb.reshape(X.shape)
+
+
+def _checked_call(X, widths, group, ns_steps, coefficients, norm_safety, method, b_split, compute_dtype):
+    """The group's size and this rank's place in it, the widths as ints, the coefficient triples,
+    the norm safety factor and the compute dtype; a clear error for anything inconsistent."""
     if X.ndim < 2:
         raise ValueError(f"split_zeropower_via_newtonschulz expects a block [..., m, n_i], got shape {tuple(X.shape)}")
     check_ns_method(method)
@@ -500,23 +524,16 @@ def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm
     if not norm_safety > 0:
         raise ValueError(f"norm_safety must be positive, got {norm_safety!r}")
     dtype = compute_dtype if compute_dtype is not None else default_compute_dtype(X.device)
-    if X.numel() == 0:  # no rows, or an empty batch: the same on every member, no collective
-        return torch.zeros(X.shape, dtype=dtype, device=X.device)
-    full = (*X.shape[:-1], n)
-    form = choose_ns_method(full, ns_steps, method, dtype, steps)
-    plan = gram_restart_plan(steps, ns_steps, dtype) if form == "gram" else (1,) * ns_steps
-    if b_split == "auto":
-        b_split = choose_b_split(full, k, dtype, hardware or hardware_for(X.device))
-    rows = k > 1 and b_split == "rows"
+    return k, rank, widths, steps, norm_safety, dtype
 
-    Xb = X.to(dtype).reshape(-1, m, ni)
-    if Xb.shape[0] == 1:  # 2-D kernels for a single matrix, as the unsplit code
-        Xb = Xb[0]
-    symmetric = _uses_symmetric_blocks(Xb)
+
+def _iterate(Xb, A, steps, plan, rows, symmetric, k, rank, group, record):
+    """The segments of ``plan`` on this rank's normalised block ``Xb``, ``A`` being its first Gram
+    matrix (already summed over the group): one all-reduce of the next Gram matrix per segment
+    after the first; a one-step segment is a classic step (B replicated, or by ``rows`` and
+    an all-gather), a longer one runs the m x m recursion and applies its factor Q."""
     addmm = torch.addmm if Xb.ndim == 2 else torch.baddbmm
     mm = torch.mm if Xb.ndim == 2 else torch.bmm
-
-    Xb, A = _normalise_first_gram(Xb, X.dtype, dtype, norm_safety, eps, symmetric, k, group)
     first = 0
     for length in plan:
         segment, first = steps[first : first + length], first + length
@@ -541,7 +558,7 @@ def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm
                 record.append(Q)
             Xb = mm(Q, Xb)
         A = None
-    return Xb.reshape(X.shape)
+    return Xb
 
 
 def _normalise_first_gram(Xb, input_dtype, dtype, norm_safety, eps, symmetric, k, group):
