@@ -87,7 +87,7 @@ from optimizer.step_context import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
 from optimizer.newton_schulz import newton_schulz_flops  # noqa: E402
 from optimizer.parallel.owners import chunked_critical_path  # noqa: E402
 from optimizer.parallel.plan import (PlanParam, PlanSettings, WorldJob, ns_workspace,  # noqa: E402
-                                     split_workspace, world_jobs)
+                                     split_workspace, world_view)
 from optimizer.parallel.split_newton_schulz import CUDA_NVLINK, SplitHardware  # noqa: E402
 from optimizer.parallel.split_plan import SplitModel, lengths_along, piece_length, sub_shape  # noqa: E402
 
@@ -242,38 +242,27 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
     if sorted(grid.ranks) != list(range(world)):
         raise ValueError(f"measure: the mesh's ranks must be 0..{world - 1} (per-rank lists are indexed by rank)")
     coords = [grid.coordinate(r) for r in range(world)]
-    patterns = world_jobs(params, settings)
+    patterns, local_units = world_view(params, settings)
 
     load = [0.0] * world
     flops = [0.0] * world
     split_sent = [0] * world
     split_units: dict[int, int] = {}
     units: list[tuple[float, int, tuple, int]] = []
-    # Units held whole (no pattern): each rank orthogonalises its own piece, as build_plan does.
-    planned = {j.param for jobs, _ in patterns for j in jobs}
+    # Units held whole where they are (no pattern, or kept by their holder), as build_plan runs them.
     local_load = [0.0] * world
     local_groups: list[dict] = [{} for _ in range(world)]  # shape -> count, for run_local's batches
-    local_shapes: dict[tuple, list[tuple]] = {}
-    for i, p in enumerate(params):
-        if i in planned:
-            continue
-        key = (p.shape, p.layout.placements)
-        shapes = local_shapes.get(key)
-        if shapes is None:
-            shapes = local_shapes[key] = [p.layout.local_shape(c) for c in coords]
-        for r, shape in enumerate(shapes):
-            if math.prod(shape) == 0:
-                continue
-            c = p.cost(shape)
-            local_load[r] += c
-            units.append((c, i, shape, r))
-            local_groups[r][shape] = local_groups[r].get(shape, 0) + 1
+    for i, r, shape in local_units:
+        c = params[i].cost(shape)
+        local_load[r] += c
+        units.append((c, i, shape, r))
+        local_groups[r][shape] = local_groups[r].get(shape, 0) + 1
     for r in range(world):
         load[r] += local_load[r]
         flops[r] += local_load[r]
 
     sent, received, exchange_sent = [0] * world, [0] * world, [0] * world
-    world_bytes = {"gather": 0, "scatter": 0, "exchange": 0, "exchange_payload": 0}
+    world_bytes = {"gather": 0, "scatter": 0, "exchange": 0, "exchange_payload": 0, "moves": 0}
     chunk_buffers: list[list[int]] = []
     chunk_exchange: list[list[bool]] = []  # [chunk][rank]: a replica all-gather follows its scatter
     workspace: list[list[int]] = []  # [chunk][rank] NS workspace bytes
@@ -282,6 +271,14 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
     all_chunks: list[list[int]] = []
     piece_cache: dict[tuple, tuple[int, int]] = {}
     for jobs, chunks in patterns:
+        if jobs[0].holder >= 0:  # units held whole, moved (plan_moves.py): blocks travel holder <-> owner
+            base = len(all_costs)
+            _measure_moves(params, jobs, chunks, compute_bytes, load, flops, split_sent, split_units, units,
+                           sent, received, world_bytes, chunk_buffers, chunk_exchange, workspace)
+            all_costs += [j.cost for j in jobs]
+            all_owners += [j.owner for j in jobs]
+            all_chunks += [[base + k for k in chunk] for chunk in chunks]
+            continue
         lay = params[jobs[0].param].layout
         S, R = lay.shard_group_size, lay.num_replicas
         split = jobs[0].split and R > 1
@@ -377,6 +374,53 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
         peak[r] = best
     return WorldPlan(patterns, load, local_load, sent, received, exchange_sent, world_bytes,
                      chunk_buffers, peak, critical, units, flops, split_sent, split_units)
+
+
+def _cut_cost(params, j):
+    """A block of a cut unit: the split iteration's modelled cost of its whole unit."""
+    return params[j.param].split.cost(sub_shape(j.shape, j.cut, sum(j.widths)), j.cut.k)
+
+
+def _measure_moves(params, jobs, chunks, compute_bytes, load, flops, split_sent, split_units, units, sent, received,
+                   world_bytes, chunk_buffers, chunk_exchange, workspace):
+    """Loads, traffic and buffers of one group of moved units (``plan_moves.py``): each block goes
+    from its holder to its owner whole (no padding) and its update comes back; a rank's buffers
+    per chunk are twice what it sends plus three times what it receives (``plan_moves.move_traffic``)."""
+    world = len(load)
+    for j in jobs:
+        load[j.owner] += j.cost
+        units.append((j.cost, j.param, j.shape, j.owner))
+        if j.cut is None:
+            flops[j.owner] += j.cost
+            continue
+        c = _cut_cost(params, j)
+        flops[j.owner] += c.flops_per_rank[j.cut.j]
+        split_sent[j.owner] += c.bytes_per_rank
+        if j.cut.j == 0:
+            split_units[j.cut.k] = split_units.get(j.cut.k, 0) + 1
+    for chunk in chunks:
+        out, into = [0] * world, [0] * world
+        moved_out, moved_in = [0] * world, [0] * world
+        batches: list[dict] = [{} for _ in range(world)]
+        for k in chunk:
+            j = jobs[k]
+            b = math.prod(j.shape)
+            item = _item(params[j.param].wire_dtype)
+            out[j.holder] += b * item
+            into[j.owner] += b * item
+            if j.holder != j.owner:
+                moved_out[j.holder] += b * item
+                moved_in[j.owner] += b * item
+                world_bytes["moves"] += 2 * b * item
+            ws, key = batches[j.owner], (j.shape if j.cut is None else k)
+            ws[key] = ws.get(key, 0) + (ns_workspace(j.shape) if j.cut is None else
+                                        split_workspace(j.shape, j.cut.dim == -2, j.cut.k))
+        for r in range(world):
+            sent[r] += moved_out[r] + moved_in[r]  # blocks out, updates back
+            received[r] += moved_in[r] + moved_out[r]
+        chunk_buffers.append([2 * out[r] + 3 * into[r] for r in range(world)])
+        chunk_exchange.append([False] * world)
+        workspace.append([max(batches[r].values(), default=0) * compute_bytes for r in range(world)])
 
 
 # ----------------------------------------------------------------------------

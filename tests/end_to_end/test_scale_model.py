@@ -218,7 +218,7 @@ def test_one_matrix_by_hand(bench):
     assert plan.load == [_flops((8, 8)), 0.0]
     # sent = T - O + (S - 1) O: rank 0 (T = O = 32) sends its update piece, rank 1 its gradient piece.
     assert plan.sent == [64, 64] and plan.received == [64, 64]
-    assert plan.world_bytes == {"gather": 64, "scatter": 64, "exchange": 0, "exchange_payload": 0}
+    assert plan.world_bytes == {"gather": 64, "scatter": 64, "exchange": 0, "exchange_payload": 0, "moves": 0}
     # buffers 2T + 3 S O: rank 0 256 elements, rank 1 64; workspace 2mn + 2m^2 = 256 elements on rank 0.
     assert plan.chunk_buffers == [[512, 128]]
     assert plan.peak == [512 + 512, 128]

@@ -49,22 +49,96 @@ Terms
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .plan_moves import Moves, kept_units, move_chunk, move_groups, move_traffic, movable, plan_moves
 from .plan_rank import _RankView, _device_indexer, _local_shape
-from .plan_types import (Chunk, GatherAll, LocalJob, Owned, Pack, PlanParam, PlanSettings, Region, SplitOwned,
-                         StepPlan, Update, local_unit_bytes, ns_workspace, row_slots, split_workspace)
-from .plan_world import TARGET_UNIT_FRACTION, WorldJob, _classify, _held_loads, _Job, _pattern_chunks, is_local, world_jobs
+from .plan_types import (Chunk, GatherAll, LocalJob, MoveChunk, Owned, Pack, PlanParam, PlanSettings, Region,
+                         SplitOwned, StepPlan, Update, local_unit_bytes, ns_workspace, row_slots, split_workspace)
+from .plan_world import (TARGET_UNIT_FRACTION, WorldJob, _classify, _held_loads, _Job, _pattern_chunks, is_local)
 from .split_plan import sub_shape
 
-__all__ = ["Chunk", "GatherAll", "LocalJob", "Owned", "Pack", "PlanParam", "PlanSettings", "Region", "SplitOwned",
-           "StepPlan", "TARGET_UNIT_FRACTION", "Update", "WorldJob", "build_plan", "is_local", "local_unit_bytes",
-           "ns_workspace", "row_slots", "split_workspace", "world_jobs"]
+__all__ = ["Chunk", "GatherAll", "LocalJob", "MoveChunk", "Owned", "Pack", "PlanParam", "PlanSettings", "Region",
+           "SplitOwned", "StepPlan", "TARGET_UNIT_FRACTION", "Update", "WorldJob", "build_plan", "is_local",
+           "local_unit_bytes", "ns_workspace", "row_slots", "split_workspace", "world_jobs", "world_view"]
 
 
 # ----------------------------------------------------------------------------
 # The whole plan
 # ----------------------------------------------------------------------------
+
+
+@dataclass
+class _World:
+    """The rank-independent part of a plan: every pattern's jobs and chunks, and the moves."""
+
+    patterns: list  # [(key, members, jobs, chunks)]
+    moves: list[Moves]
+    local: list[int]  # orthogonalised where they are (movable ones included: their kept units)
+    gather_all: list[int]
+
+    def moves_of(self, i: int) -> Moves | None:
+        return next((m for m in self.moves if i in m.params), None)
+
+
+def _world(params: Sequence[PlanParam], settings: PlanSettings) -> _World:
+    local, gather_all, patterns = _classify(params, settings)
+    movable_ix = [i for i in local if movable(params[i])] if settings.mode != "gather" else []
+    fixed = [i for i in local if i not in set(movable_ix)]
+    held = _held_loads(params, fixed, movable_ix)
+    out = []
+    for key, members in patterns:
+        jobs, order = _pattern_chunks(params, members, settings, key[-1], held)
+        out.append((key, members, jobs, order))
+    # Moves are balanced on their own, as each pattern is: their chunks run after the patterns',
+    # every chunk meeting at its all-to-alls, so a rank's load in other chunks cannot be traded
+    # against theirs (the critical path adds the chunks' busiest ranks).
+    moves = [m for members in move_groups(params, movable_ix)
+             if (m := plan_moves(params, members, {}, settings.chunk_size)) is not None]
+    return _World(out, moves, local, gather_all)
+
+
+def world_jobs(params: Sequence[PlanParam], settings: PlanSettings) -> list[tuple[list[WorldJob], list[list[int]]]]:
+    """Every pattern's jobs with their owners, and the pattern's chunks (lists of job indices);
+    then the moved units' (``plan_moves.py``: ``holder`` set), one entry per group of moves.
+
+    Pure and rank-independent: the part of :func:`build_plan` that is the same on every
+    rank.  Returns ``[(jobs, chunks)]`` per pattern, in plan order; parameters that are
+    orthogonalised where they are (no communication) are not included (the units of movable ones
+    are, once they move: those their holder keeps with ``owner == holder``).
+    """
+    return _world_jobs(_world(params, settings))
+
+
+def _world_jobs(world: _World) -> list[tuple[list[WorldJob], list[list[int]]]]:
+    out = []
+    for key, _, jobs, order in world.patterns:
+        out.append(([WorldJob(j.param, j.shape, j.cost, j.owner, key[-1], j.cut, j.group, j.widths, j.unit)
+                     for j in jobs], order))
+    for m in world.moves:
+        out.append(([WorldJob(j.param, j.shape, j.cost, j.owner, False, j.cut, j.group, j.widths, j.unit, j.holder)
+                     for j in m.jobs], m.order))
+    return out
+
+
+def world_view(params: Sequence[PlanParam], settings: PlanSettings):
+    """:func:`world_jobs`, and every unit a rank orthogonalises where it is, as ``[(param, rank,
+    shape)]`` (DTensors only: plain tensors are the same on every rank): for analysis
+    (``benchmarks/scale_model.py``), from the same plan :func:`build_plan` runs."""
+    world = _world(params, settings)
+    local = []
+    for i in world.local:
+        lay = params[i].layout
+        if lay is None:
+            continue
+        for r in lay.grid.ranks:
+            shape = lay.local_shape(lay.grid.coordinate(r))
+            if math.prod(shape) == 0:
+                continue
+            for leading in kept_units(world.moves_of(i), i):
+                local.append((i, r, shape if leading is None else (leading.stop - leading.start, *shape[1:])))
+    return _world_jobs(world), local
 
 
 def build_plan(
@@ -79,40 +153,49 @@ def build_plan(
     or replica group (``distributed.groups.group_for``); planning itself never
     communicates.
     """
-    local_ix, gather_ix, patterns = _classify(params, settings)
-    held = _held_loads(params, local_ix)
+    world = _world(params, settings)
     plan = StepPlan()
-    for i in local_ix:
+    for i in world.local:
         shape = _local_shape(params[i], rank)
-        if math.prod(shape) > 0:
-            job = LocalJob(i, (), shape, local_unit_bytes(params[i], shape))
+        if math.prod(shape) == 0:
+            continue
+        for leading in kept_units(world.moves_of(i), i):
+            unit = shape if leading is None else (leading.stop - leading.start, *shape[1:])
+            job = LocalJob(i, () if leading is None else (leading,), unit, local_unit_bytes(params[i], unit))
             plan.local.append(job)
-            plan.load += params[i].cost(shape)
+            plan.load += params[i].cost(unit)
             plan.local_unit_bytes = max(plan.local_unit_bytes, job.bytes)
-    for i in gather_ix:
+    for i in world.gather_all:
         plan.gather_all.append(_gather_all(params, i, rank, resolve_group))
         plan.load += params[i].cost(params[i].shape)
-    for pattern_index, (key, members) in enumerate(patterns):
-        split = key[-1]
-        jobs, order = _pattern_chunks(params, members, settings, split, held)
-        plan.jobs += len(jobs)
-        view = _RankView(params, rank, split, resolve_group, params[members[0]])
-        for chunk_jobs in order:
-            chunk = view.chunk(pattern_index, [jobs[k] for k in chunk_jobs])
-            plan.chunks.append(chunk)
-            plan.owned += len(chunk.owned)
-            plan.load += sum(params[o.param].cost(o.shape) for o in chunk.owned if o.split is None)
-            for j in (jobs[k] for k in chunk_jobs):
-                if j.cut is not None and j.owner == rank:  # a block of a cut unit: its modelled time
-                    plan.load += j.cost
-                    plan.split_jobs += 1
-                    plan.split_bytes += params[j.param].split.cost(_unit_shape(j), j.cut.k).bytes_per_rank
-            sent, received, buffers, workspace = _traffic(chunk, params)
-            plan.bytes_sent += sent
-            plan.bytes_received += received
-            plan.peak_chunk_bytes = max(plan.peak_chunk_bytes, buffers)
-            plan.peak_workspace_bytes = max(plan.peak_workspace_bytes, workspace)
+    for pattern_index, (key, members, jobs, order) in enumerate(world.patterns):
+        view = _RankView(params, rank, key[-1], resolve_group, params[members[0]])
+        _add_chunks(plan, params, rank, jobs, order, lambda chunk_jobs: view.chunk(pattern_index, chunk_jobs))
+    for n, m in enumerate(world.moves, start=len(world.patterns)):
+        if rank in m.ranks:
+            _add_chunks(plan, params, rank, m.jobs, m.order,
+                        lambda chunk_jobs: move_chunk(params, rank, n, chunk_jobs, m.ranks, resolve_group))
     return plan
+
+
+def _add_chunks(plan: StepPlan, params: Sequence[PlanParam], rank: int, jobs, order, make) -> None:
+    plan.jobs += len(jobs)
+    for chunk_jobs in order:
+        chunk = make([jobs[k] for k in chunk_jobs])
+        plan.chunks.append(chunk)
+        plan.owned += len(chunk.owned)
+        plan.load += sum(params[o.param].cost(o.shape) for o in chunk.owned if o.split is None)
+        for j in (jobs[k] for k in chunk_jobs):
+            if j.cut is not None and j.owner == rank:  # a block of a cut unit: its modelled time
+                plan.load += j.cost
+                plan.split_jobs += 1
+                plan.split_bytes += params[j.param].split.cost(_unit_shape(j), j.cut.k).bytes_per_rank
+        sent, received, buffers, workspace = (move_traffic(chunk, params, _workspace)
+                                              if isinstance(chunk, MoveChunk) else _traffic(chunk, params))
+        plan.bytes_sent += sent
+        plan.bytes_received += received
+        plan.peak_chunk_bytes = max(plan.peak_chunk_bytes, buffers)
+        plan.peak_workspace_bytes = max(plan.peak_workspace_bytes, workspace)
 
 
 def _unit_shape(job) -> tuple[int, ...]:
@@ -152,7 +235,12 @@ def _traffic(chunk: Chunk, params: Sequence[PlanParam]) -> tuple[int, int, int, 
     calls: dict[object, int] = {}  # batched Newton-Schulz calls (a zero-copy unit is its own)
     for k, o in enumerate(chunk.owned):
         key = ("batch", o.batch) if o.batch >= 0 else k
-        space = (ns_workspace(o.shape) if o.split is None
-                 else split_workspace(o.shape, o.split.transpose, len(o.split.ranks)))
-        calls[key] = calls.get(key, 0) + space * params[o.param].compute_itemsize
+        calls[key] = calls.get(key, 0) + _workspace(o) * params[o.param].compute_itemsize
     return sent * item, received * item, buffers * item, max(calls.values(), default=0)
+
+
+def _workspace(o: Owned) -> int:
+    """Elements of Newton–Schulz's live tensors for an owned unit (or a block of a cut one)."""
+    if o.split is None:
+        return ns_workspace(o.shape)
+    return split_workspace(o.shape, o.split.transpose, len(o.split.ranks))

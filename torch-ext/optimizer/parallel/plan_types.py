@@ -156,6 +156,37 @@ class Chunk:
 
 
 @dataclass
+class MoveChunk:
+    """Units held whole by one rank (experts on ``Shard(0)``) orthogonalised by others, or cut over a
+    group (``plan_moves.py``): one all-to-all over the mesh's ranks takes every block from its
+    holder to its owner, one brings the update back.  Blocks travel whole, as they are (their row
+    state after their columns): no padding, no index kernels; what is sent to member j sits at
+    ``sum(send_splits[:j])``, and the way back mirrors the way out."""
+
+    pattern: int
+    group: object  # ProcessGroup of ``ranks`` (the mesh's)
+    ranks: tuple[int, ...]  # sorted: a member's position is its place in the all-to-all
+    member: int
+    wire_dtype: torch.dtype
+    device: torch.device
+    send_splits: list[int] = field(default_factory=list)  # elements to each member (holder -> owner)
+    recv_splits: list[int] = field(default_factory=list)  # elements from each member
+    packs: list[Pack] = field(default_factory=list)  # the blocks this rank holds, in the send buffer
+    owned: list[Owned] = field(default_factory=list)  # the blocks it orthogonalises, in the receive buffer
+    batches: list[list[int]] = field(default_factory=list)
+    updates: list[Update] = field(default_factory=list)  # where the returned blocks land (= packs' offsets)
+    exchange_length: int = 0  # never a replica exchange
+
+    @property
+    def send_numel(self) -> int:
+        return sum(self.send_splits)
+
+    @property
+    def recv_numel(self) -> int:
+        return sum(self.recv_splits)
+
+
+@dataclass
 class GatherAll:
     """The baseline for one parameter: all-gather its padded pieces over the shard group."""
 
@@ -172,7 +203,7 @@ class GatherAll:
 @dataclass
 class StepPlan:
     local: list[LocalJob] = field(default_factory=list)
-    chunks: list[Chunk] = field(default_factory=list)
+    chunks: list[Chunk | MoveChunk] = field(default_factory=list)
     jobs: int = 0  # distributed jobs in the world
     owned: int = 0  # of which this rank owns
     load: float = 0.0  # Newton-Schulz FLOPs this rank runs (owned jobs and local units)

@@ -37,6 +37,7 @@ class _Job:
     group: tuple[int, ...] = ()
     widths: tuple[int, ...] = ()
     unit: int = -1  # the cut unit's index in the pattern
+    holder: int = -1  # a unit held whole by one rank and moved (plan_moves.py): that rank
 
 
 def _pattern_key(p: PlanParam, split: bool):
@@ -223,23 +224,7 @@ class WorldJob:
     group: tuple[int, ...] = ()
     widths: tuple[int, ...] = ()
     unit: int = -1
-
-
-def world_jobs(params: Sequence[PlanParam], settings: PlanSettings) -> list[tuple[list[WorldJob], list[list[int]]]]:
-    """Every pattern's jobs with their owners, and the pattern's chunks (lists of job indices).
-
-    Pure and rank-independent: the part of :func:`build_plan` that is the same on every
-    rank.  Returns ``[(jobs, chunks)]`` per pattern, in plan order; parameters that are
-    orthogonalised where they are (no communication) are not included.
-    """
-    local, _, patterns = _classify(params, settings)
-    held = _held_loads(params, local)
-    out = []
-    for key, members in patterns:
-        jobs, order = _pattern_chunks(params, members, settings, key[-1], held)
-        out.append(([WorldJob(j.param, j.shape, j.cost, j.owner, key[-1], j.cut, j.group, j.widths, j.unit)
-                     for j in jobs], order))
-    return out
+    holder: int = -1  # a unit held whole by this rank and moved to its owner (plan_moves.py); -1: none
 
 
 def _classify(params: Sequence[PlanParam], settings: PlanSettings):
@@ -265,23 +250,31 @@ def _pattern_chunks(params: Sequence[PlanParam], members: Sequence[int], setting
     return jobs, _cut_units_together(jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size))
 
 
-def _held_loads(params: Sequence[PlanParam], local: Sequence[int]) -> Callable[[], dict[int, float]]:
+def _held_loads(params: Sequence[PlanParam], local: Sequence[int],
+                movable: Sequence[int] = ()) -> Callable[[], dict[int, float]]:
     """Every rank's Newton-Schulz cost of the DTensor units it orthogonalises where it is (experts
-    held whole, replicated weights): computed once, when the choice of cuts first needs it (it
-    touches every rank of the world)."""
+    held whole, replicated weights), and of ``movable`` ones as they will be once moved (spread
+    evenly over their mesh: ``plan_moves.py``): computed once, when the choice of cuts first needs
+    it (it touches every rank of the world)."""
     memo: list[dict[int, float]] = []
 
     def held() -> dict[int, float]:
         if not memo:
             loads: dict[int, float] = {}
-            for i in local:
+            for i in (*local, *movable):
                 lay = params[i].layout
                 if lay is None:
                     continue  # plain tensors: the same on every rank
+                costs = {}
                 for r in lay.grid.ranks:
                     shape = lay.local_shape(lay.grid.coordinate(r))
                     if math.prod(shape) > 0:
-                        loads[r] = loads.get(r, 0.0) + params[i].cost(shape)
+                        costs[r] = params[i].cost(shape)
+                if i in movable:
+                    even = sum(costs.values()) / len(lay.grid.ranks)
+                    costs = {r: even for r in lay.grid.ranks}
+                for r, c in costs.items():
+                    loads[r] = loads.get(r, 0.0) + c
             memo.append(loads)
         return memo[0]
 

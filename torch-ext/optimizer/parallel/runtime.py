@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .plan import Chunk, Owned, StepPlan, row_slots
+from . import moves
+from .buffers import _Flight, _piece, _row_piece, _split
+from .plan import Chunk, MoveChunk, Owned, StepPlan, row_slots
 from .stats import PipelineStats
 
 
@@ -91,29 +92,6 @@ class Stages(Protocol):
 # --------------------------------------------------------------------------
 # Buffers and index kernels
 # --------------------------------------------------------------------------
-
-
-def _piece(buffer: torch.Tensor, offset: int, padded: Sequence[int], mine: Sequence[int]) -> torch.Tensor:
-    """A padded block of ``buffer`` at ``offset``, cut to the real block's shape."""
-    block = buffer[offset: offset + math.prod(padded)].view(padded)
-    if tuple(mine) != tuple(padded):
-        block = block[tuple(slice(0, n) for n in mine)]
-    return block
-
-
-def _row_piece(buffer: torch.Tensor, offset: int, padded: Sequence[int], mine: Sequence[int],
-               slots: int) -> torch.Tensor:
-    """The row-state columns of the block at ``offset``, for the real block's rows."""
-    block = buffer[offset: offset + math.prod(padded)].view(padded)
-    return block[(..., slice(0, mine[-2]), slice(padded[-1] - slots, None))]
-
-
-def _split(blocks: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[..., rows, cols + slots]`` blocks as (matrix part, row-state part or None)."""
-    if not slots:
-        return blocks, None
-    cols = blocks.shape[-1] - slots
-    return blocks[..., :cols], blocks[..., cols:]
 
 
 def _assembled_shape(o: Owned) -> tuple[int, ...]:
@@ -185,16 +163,6 @@ def _region(t: torch.Tensor, region) -> torch.Tensor:
     return t[region] if region else t
 
 
-@dataclass
-class _Flight:
-    chunk: Chunk
-    recv: torch.Tensor
-    work: object
-    send: torch.Tensor | None = None  # kept alive until the collective completes
-    fulls: list = field(default_factory=list)
-    rows: list = field(default_factory=list)  # the owned units' row state (NorMuon's v), or None each
-
-
 def _all_to_all(recv, send, recv_splits, send_splits, chunk: Chunk, stats: PipelineStats):
     stats.all_to_alls += 1
     return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=chunk.shard_group, async_op=True)
@@ -211,7 +179,9 @@ def _all_gather(out: torch.Tensor, mine: torch.Tensor, group, async_op: bool = F
 # --------------------------------------------------------------------------
 
 
-def start_gather(chunk: Chunk, steps: Sequence[Stages], stats: PipelineStats) -> _Flight:
+def start_gather(chunk: Chunk | MoveChunk, steps: Sequence[Stages], stats: PipelineStats) -> _Flight:
+    if isinstance(chunk, MoveChunk):
+        return moves.start_gather(chunk, steps, stats)
     with stats.time("gather"):
         send = torch.empty(chunk.send_numel, dtype=chunk.wire_dtype, device=chunk.device)
         for pack in chunk.packs:
@@ -232,6 +202,8 @@ def start_gather(chunk: Chunk, steps: Sequence[Stages], stats: PipelineStats) ->
 def finish_gather(flight: _Flight, stats: PipelineStats) -> list[torch.Tensor]:
     """Wait for the gather; assemble the whole matrices this rank owns (batched by shape), and
     their row state (``flight.rows``)."""
+    if isinstance(flight.chunk, MoveChunk):
+        return moves.finish_gather(flight, stats)
     with stats.time("gather"):
         if flight.work is not None:
             flight.work.wait()
@@ -320,6 +292,8 @@ def orthogonalize_owned(flight: _Flight, fulls: list[torch.Tensor], steps: Seque
 def start_scatter(chunk: Chunk, updates: list[torch.Tensor], stats: PipelineStats,
                   rows: Sequence[torch.Tensor | None] = ()) -> _Flight:
     """Cut every owned update (and its new row state, ``rows``) into the members' blocks and send them."""
+    if isinstance(chunk, MoveChunk):
+        return moves.start_scatter(chunk, updates, stats, rows)
     with stats.time("scatter"):
         length = max(chunk.scatter_recv_numel, chunk.exchange_length)  # what the exchange sends from
         alone = chunk.shard_group is None  # one member: what it sends is what it receives

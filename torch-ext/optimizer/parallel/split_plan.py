@@ -54,7 +54,7 @@ import torch
 
 from ..distributed.placements import Index
 from .owners import assign_owners_grouped, split_range_evenly
-from .split_newton_schulz import SplitCost, SplitHardware, split_ns_cost
+from .split_cost import SplitCost, SplitHardware, split_ns_cost
 
 # Largest k for "auto": the GPUs of one NVLink node (CUDA_NVLINK models a group inside one).
 SPLIT_MAX_RANKS = 8
@@ -277,10 +277,22 @@ def rank_sets(shape: Sequence[int], layout, model: SplitModel | None) -> set[tup
     if layout.num_replicas > 1:
         for b in layout.batch_coordinates():
             candidate_sets.append(tuple(sorted(layout.holders(b))))
+    if movable_layout(layout, len(shape), model):  # experts held whole move over the mesh (plan_moves.py)
+        everyone = tuple(sorted(layout.grid.ranks))
+        candidate_sets.append(everyone)
+        out.add(everyone)  # the moves' all-to-all
     for cands in dict.fromkeys(candidate_sets):
         for k in auto_ks(model, shape[-2:], len(cands)):
             out.update(aligned_groups(cands, k))
     return out
+
+
+def movable_layout(layout, ndim: int, model: SplitModel | None) -> bool:
+    """Experts held whole whose units may move to other ranks (``plan_moves.py``): a stack of
+    matrices whose every mesh dim shards the stack's dim (no matrix dim sharded, no replicas),
+    with ``ns_split="auto"``."""
+    return (model is not None and model.mode == "auto" and layout is not None and ndim >= 3
+            and layout.shard_group_size == 1 and layout.num_replicas == 1 and bool(layout.batch_dims))
 
 
 # ----------------------------------------------------------------------------
