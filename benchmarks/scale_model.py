@@ -82,6 +82,7 @@ import torch  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 from model_shapes import ModelShapes, all_models, total_params  # noqa: E402
+from split_bound import lower_bound  # noqa: E402
 from optimizer.distributed.layout import MeshGrid, ParamLayout  # noqa: E402
 from optimizer.step_context import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
 from optimizer.newton_schulz import newton_schulz_flops  # noqa: E402
@@ -443,6 +444,7 @@ def evaluate(model: ModelShapes, layout: Layout, replica_split: str | None, args
     total = sum(_ns_cost(p.shape, args.ns_steps) for p in params)  # one copy of the model
     ideal = total / n
     planned = sum(plan.load)  # FLOP-equivalents: a cut unit's blocks count their modelled time
+    cut_bound = lower_bound(params, n) if ns_split != "never" else None  # any whole-or-cut plan (split_bound.py)
     largest = max(plan.units, key=lambda u: u[0])
     lower = max(planned / n, largest[0])
     total_sent = [a + b for a, b in zip(plan.sent, plan.split_sent)]
@@ -481,6 +483,8 @@ def evaluate(model: ModelShapes, layout: Layout, replica_split: str | None, args
         "busiest_over_ideal": busiest / ideal,
         "busiest_flops_over_ideal": max(plan.flops) / ideal,
         "busiest_over_lower_bound": busiest / lower,
+        "cut_lower_bound_over_ideal": None if cut_bound is None else cut_bound / ideal,
+        "moved_units": sum(1 for jobs, _ in plan.patterns for j in jobs if j.holder >= 0 and j.owner != j.holder),
         "largest_unit_over_ideal": largest[0] / ideal,
         "largest_unit": {"param": params[largest[1]].name, "shape": list(largest[2])},
         "ranks_idle": sum(1 for x in plan.load if x == 0),
@@ -573,14 +577,17 @@ def split_comparisons(results):
     with the default replica split ("auto")."""
     by: dict[tuple, dict] = {}
     for r in results:
-        if r["ranks"] in TARGET_RANKS and r["titan"] and r["replica_split"] in (None, "auto"):
+        if r["ranks"] in TARGET_RANKS and r["replica_split"] in (None, "auto"):
             by.setdefault((r["model"], _layout_name(r), r["ranks"], r["expert_dim"]), {})[r["ns_split"]] = r
     return [(k, v) for k, v in by.items() if all(s in v for s in NS_SPLITS)]
 
 
 def split_verdict(row: dict) -> str:
     b, c = row["busiest_over_ideal"], row["critical_path_over_ideal"]
-    return "meets" if b <= SPLIT_TARGET and c <= SPLIT_TARGET else "misses"
+    if b <= SPLIT_TARGET and c <= SPLIT_TARGET:
+        return "meets"
+    bound = row.get("cut_lower_bound_over_ideal")
+    return "misses" if bound is None else f"misses (no whole-or-cut plan goes below {bound:.2f}x: split_bound.py)"
 
 
 def split_line(key, rows) -> str:
@@ -588,6 +595,8 @@ def split_line(key, rows) -> str:
     nv, au = rows["never"], rows["auto"]
     experts = "" if d is None else f", experts Shard({d})"
     cut = ", ".join(f"{v} over {k}" for k, v in au["cut_units"].items()) or "none"
+    if au.get("moved_units"):
+        cut += f"; {au['moved_units']} expert units moved to ranks holding none"
     return (f"{model} {layout} @ {ranks}{experts}: {split_verdict(au)} {SPLIT_TARGET:.2f}x: busiest "
             f"{nv['busiest_over_ideal']:.2f}x -> {au['busiest_over_ideal']:.2f}x, critical path "
             f"{nv['critical_path_over_ideal']:.2f}x -> {au['critical_path_over_ideal']:.2f}x (modelled time); "

@@ -267,6 +267,36 @@ def _two_groups(rank, world):
     return (out - ref).abs().max().item()
 
 
+def _interleaving(rank, k):
+    """The collectives a batch of two matrices issues, in order (which half, by the buffer's rows),
+    and its result against the unsplit call's."""
+    G = make_matrix("randn", (2, 24, 96), seed=4)
+    widths = [s.stop - s.start for s in column_blocks(96, k)]
+    issued = []
+    real = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        issued.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        out, ref = run_case(rank, k, G, widths, 5, "fixed", "classic", "replicated")
+    finally:
+        dist.all_reduce = real
+    return issued, (out - ref).abs().max().item()
+
+
+def test_a_batch_runs_as_two_interleaved_halves():
+    """Two matrices in one call: each half's all-reduces alternate with the other's (half 1 issues
+    its Gram all-reduce before half 0 waits for its own), so one's collectives can overlap the
+    other's products; the result is the unsplit call's."""
+    for issued, dev in run_ranks(_interleaving, 2, timeout=TIMEOUT):
+        first = 24 * 24 + 1  # the first all-reduce: Gram matrix and the sum of squares, one matrix per half
+        assert issued == [first, first] + [24 * 24] * 8, issued  # half 0, half 1, then each later step: 0, 1
+        assert dev <= FP32_TOL
+
+
 def test_groups_of_a_larger_world_split_different_matrices_at_once():
     assert max(run_ranks(_two_groups, 4, timeout=TIMEOUT)) <= FP32_TOL
 

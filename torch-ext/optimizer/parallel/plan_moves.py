@@ -28,8 +28,9 @@ from typing import Callable, Sequence
 
 from .owners import cut_chunks
 from .plan_types import MoveChunk, Owned, Pack, PlanParam, SplitOwned, Update, row_slots
-from .plan_world import TARGET_UNIT_FRACTION, _cut_units_together, _Job, _unit_options, _units
-from .split_plan import (MIN_GAIN, Cut, assign, block_widths, choose_ks, cut_blocks, cut_dim, movable_layout,
+from .plan_world import (TARGET_UNIT_FRACTION, _cut_units_together, _Job, _unit_options, _units, batch_costs,
+                         pair_key)
+from .split_plan import (MIN_GAIN, Cut, assign_paired, block_widths, choose_ks, cut_blocks, cut_dim, movable_layout,
                          sub_shape)
 
 # A holder keeps units while its load stays within this fraction above the ideal share.
@@ -102,7 +103,8 @@ def plan_moves(params: Sequence[PlanParam], members: Sequence[int], loads: dict[
     # Which units are cut, as if every unit could go anywhere; those spill.  The others: holders
     # keep them (largest first) while they fit under the ideal share (or the largest whole
     # unit, which no placement avoids); the rest spill, to the least-loaded ranks.
-    cuts = choose_ks(options, world, lambda: base) or [1] * len(units)
+    keys = [pair_key(params, u) for u in units]
+    cuts = choose_ks(options, world, lambda: base, keys) or [1] * len(units)
     target = max([ideal, *(u.cost for u, k in zip(units, cuts) if k == 1)]) * (1 + SPILL_SLACK)
     load = dict(base)
     spilled: list[int] = []
@@ -113,7 +115,7 @@ def plan_moves(params: Sequence[PlanParam], members: Sequence[int], loads: dict[
         else:
             spilled.append(n)
     ks = [cuts[n] for n in spilled]
-    owners, after = assign([options[n] for n in spilled], ks, load)
+    owners, after = assign_paired([options[n] for n in spilled], ks, load, [keys[n] for n in spilled])
     if max(after.values(), default=0.0) > busiest * (1 - MIN_GAIN):
         return None
     # Every unit is a job of the moves, kept ones too (owner = holder: they go to their holder's own
@@ -135,8 +137,10 @@ def plan_moves(params: Sequence[PlanParam], members: Sequence[int], loads: dict[
             cut = Cut(dim, k, j)
             jobs.append(_Job(u.param, u.batch, u.leading, sub_shape(u.shape, cut, widths[j]), opt.member_cost(k),
                              ranks, None, rank, cut, group, widths, n, holder=u.holder))
-    order = cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size or world)
-    return Moves(list(members), ranks, jobs, _cut_units_together(jobs, order))
+    order = _cut_units_together(jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size or world),
+                                params)
+    batch_costs(params, jobs, order)
+    return Moves(list(members), ranks, jobs, order)
 
 
 def kept_units(moves: Moves | None, i: int) -> list:

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from ..distributed.layout import ParamLayout
 from .owners import assign_owners_among, cut_chunks, split_range_evenly
 from .plan_types import PlanParam, PlanSettings
-from .split_plan import (Cut, UnitOptions, aligned_groups, always_k, assign, auto_ks, block_widths, choose_ks,
+from .split_plan import (Cut, UnitOptions, aligned_groups, always_k, assign_paired, auto_ks, block_widths, choose_ks,
                          cut_dim, set_lengths, sub_shape)
 
 # A unit is cut into expert ranges no costlier than this fraction of the mean load per owner.
@@ -139,10 +139,11 @@ def _cut_units(params: Sequence[PlanParam], jobs: list[_Job], world: int, split:
     if all(params[j.param].split is None for j in jobs):
         return jobs
     units = [_unit_options(params[j.param], j, split) for j in jobs]
-    ks = choose_ks(units, world, held)
+    keys = [pair_key(params, j) for j in jobs]
+    ks = choose_ks(units, world, held, keys)
     if ks is None:
         return jobs
-    owners, _ = assign(units, ks, held())
+    owners, _ = assign_paired(units, ks, held(), keys)
     out: list[_Job] = []
     for n, (job, u, k, owner) in enumerate(zip(jobs, units, ks, owners)):
         if k == 1:
@@ -173,12 +174,18 @@ def _unit_options(p: PlanParam, job: _Job, split: bool) -> UnitOptions:
         if 1 < k <= long:
             groups = _shard_groups(lay, job.batch) if split else (tuple(sorted(job.candidates)),)
             u.ks, u.forced, u.member_cost, u.groups = (k,), k, cost, (lambda _k, g=groups: g)
+            u.alone = functools.partial(_alone, model, job.shape)
         return u
     ks = tuple(k for k in auto_ks(model, p.shape[-2:], len(job.candidates)) if k <= long)
     if ks:
         u.ks, u.member_cost = ks, cost
         u.groups = functools.partial(aligned_groups, tuple(job.candidates))
+        u.alone = functools.partial(_alone, model, job.shape)
     return u
+
+
+def _alone(model, shape, k: int) -> float:
+    return model.member_cost(shape, k, 1)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -247,7 +254,9 @@ def _pattern_chunks(params: Sequence[PlanParam], members: Sequence[int], setting
                     held: Callable[[], dict[int, float]] = dict):
     jobs = _pattern_jobs(params, members, settings, split, held)
     chunk_size = settings.chunk_size or len(params[members[0]].layout.grid.ranks)
-    return jobs, _cut_units_together(jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size))
+    order = _cut_units_together(jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size), params)
+    batch_costs(params, jobs, order)
+    return jobs, order
 
 
 def _held_loads(params: Sequence[PlanParam], local: Sequence[int],
@@ -281,18 +290,65 @@ def _held_loads(params: Sequence[PlanParam], local: Sequence[int],
     return held
 
 
-def _cut_units_together(jobs: Sequence[_Job], order: list[list[int]]) -> list[list[int]]:
+def _cut_units_together(jobs: Sequence[_Job], order: list[list[int]],
+                        params: Sequence[PlanParam] | None = None) -> list[list[int]]:
     """Every block of a cut unit in one chunk (the earliest holding one of them): its owners
-    orthogonalise it together."""
+    orthogonalise it together.  With ``params``, cut units that the runtime can run in one call
+    (:func:`batch_key`) are paired in unit order, the second joining the first's chunk, so that
+    their halves interleave (one's collectives overlapping the other's products)."""
     home: dict[int, int] = {}
+    block: dict[int, int] = {}
     for c, items in enumerate(order):
         for k in items:
             if jobs[k].unit >= 0:
                 home.setdefault(jobs[k].unit, c)
+                block.setdefault(jobs[k].unit, k)
     if not home:
         return order
+    if params is not None:
+        by_key: dict[tuple, list[int]] = {}
+        for unit in sorted(home):
+            by_key.setdefault(batch_key(params, jobs[block[unit]]), []).append(unit)
+        for units in by_key.values():
+            for a, b in zip(units[::2], units[1::2]):
+                home[b] = home[a]
     out: list[list[int]] = [[] for _ in order]
     for c, items in enumerate(order):
         for k in items:
             out[c if jobs[k].unit < 0 else home[jobs[k].unit]].append(k)
     return [items for items in out if items]
+
+
+def pair_key(params: Sequence[PlanParam], job: _Job) -> tuple:
+    """Whole units with the same key, cut alike, may run as one call on one group (``batch_key``)."""
+    p = params[job.param]
+    shape = job.shape
+    return (job.candidates, p.ns_key, (*shape[:-2], min(shape[-2:]), max(shape[-2:])), p.row_bytes,
+            cut_dim(shape) if p.row_bytes else None)
+
+
+def batch_key(params: Sequence[PlanParam], job: _Job) -> tuple:
+    """Blocks of cut units with the same key, in one chunk, run as one call of the split iteration
+    (``runtime.orthogonalize_owned``): the same group and widths, stage, unit shape short side
+    first (a tall unit cut by rows is a wide one transposed) and row state; with row state
+    (NorMuon, whose statistics differ for a row cut) the same orientation too."""
+    p = params[job.param]
+    unit = sub_shape(job.shape, job.cut, sum(job.widths))
+    short_first = (*unit[:-2], min(unit[-2:]), max(unit[-2:]))
+    return (job.group, job.widths, p.ns_key, short_first, p.row_bytes, job.cut.dim if p.row_bytes else None)
+
+
+def batch_costs(params: Sequence[PlanParam], jobs: Sequence[_Job], order: list[list[int]]) -> None:
+    """Charge every block of a cut unit what the call it runs in costs, per unit: the cut units of
+    a chunk with one :func:`batch_key` run together, their halves interleaved."""
+    for items in order:
+        calls: dict[tuple, dict[int, list[int]]] = {}
+        for k in items:
+            if jobs[k].cut is not None:
+                calls.setdefault(batch_key(params, jobs[k]), {}).setdefault(jobs[k].unit, []).append(k)
+        for key, units in calls.items():
+            j = jobs[next(iter(units.values()))[0]]
+            cost = params[j.param].split.member_cost(key[3], j.cut.k, len(units))
+            for blocks in units.values():
+                for k in blocks:
+                    jobs[k].cost = cost

@@ -253,17 +253,30 @@ def orthogonalize_owned(flight: _Flight, fulls: list[torch.Tensor], steps: Seque
         out: list[torch.Tensor | None] = [None] * len(fulls)
         rows_out: list[torch.Tensor | None] = [None] * len(fulls)
         # Blocks of cut units first (their group's other owners wait on them), in the unit order
-        # every rank shares: each is a sequence of blocking collectives on its group.  A block's
-        # row state (NorMuon's v of its rows) goes in and comes out like a whole unit's; its
-        # statistics over the whole matrix are the split stage's own collective.
+        # every rank shares: each call is a sequence of collectives on its group.  Cut units of one
+        # group with the same block, orientation and stage run as one call (their matrices one
+        # batch, whose halves interleave: plan_world.batch_key).  A block's row state (NorMuon's v
+        # of its rows) goes in and comes out like a whole unit's; its statistics over the whole
+        # matrix are the split stage's own collective.
+        calls: dict[tuple, list[int]] = {}
         for k in sorted((k for k, o in enumerate(chunk.owned) if o.split is not None),
                         key=lambda k: chunk.owned[k].split.unit):
-            o, full = chunk.owned[k], fulls[k]
-            x = full.mT if o.split.transpose else full  # short side first
-            y, rows_out[k] = steps[o.param].orthogonalize_split(x, o.split.widths, o.split.group, flight.rows[k],
-                                                                o.split.transpose)
-            out[k] = (y.mT if o.split.transpose else y).to(full.dtype)
-            stats.split_units += 1
+            o = chunk.owned[k]
+            block = o.shape[:-2] + (o.shape[-1:] + o.shape[-2:-1] if o.split.transpose else o.shape[-2:])
+            calls.setdefault((steps[o.param].batch_key, o.split.ranks, o.split.widths, block, o.row_slots,
+                              o.split.transpose if o.row_slots else None), []).append(k)
+        for ks in calls.values():
+            o = chunk.owned[ks[0]]
+            xs = [fulls[k].mT if chunk.owned[k].split.transpose else fulls[k] for k in ks]  # short side first
+            rows = [flight.rows[k] for k in ks]
+            x = xs[0] if len(ks) == 1 else torch.stack(xs)
+            r = rows[0] if len(ks) == 1 or rows[0] is None else torch.stack(rows)
+            y, new_rows = steps[o.param].orthogonalize_split(x, o.split.widths, o.split.group, r, o.split.transpose)
+            for i, k in enumerate(ks):
+                yi = y if len(ks) == 1 else y[i]
+                out[k] = (yi.mT if chunk.owned[k].split.transpose else yi).to(fulls[k].dtype)
+                rows_out[k] = new_rows if len(ks) == 1 or new_rows is None else new_rows[i]
+            stats.split_units += len(ks)
         for b, batch, row_batch in flight.fulls:
             members = chunk.batches[b]
             o = chunk.owned[members[0]]

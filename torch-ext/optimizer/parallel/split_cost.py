@@ -61,6 +61,10 @@ class SplitHardware:
     inter_bandwidth: float = 0.0
     inter_step_latency: float = 0.0
     kernel_launch: float = 0.0
+    # How much of a collective's time it costs the products it overlaps (two halves of a batch,
+    # interleaved: ``split_newton_schulz._interleaved``): 0 = free overlap, 1 = none (then the
+    # halves cost what they cost one after the other).
+    overlap_cost: float = 1.0
 
     def flops(self, dtype: torch.dtype) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -129,9 +133,12 @@ class SplitHardware:
 #   360-400 GB/s multi-node all-reduce bus bandwidth that nccl-tests report for H100 clusters.
 # - latencies from NCCL's own tuning model (src/graph/tuning.cc): ring/Simple base 8.4 us, 3.4 us
 #   per step over NVLink, 14 us per step over the network.
+# - overlap_cost 0.1: while a collective runs, NCCL's kernels hold some of the SMs (one per channel,
+#   up to 32 of the H100's 132) and the HBM they stream through; assumed to slow the products it
+#   overlaps by a tenth of its time (not measured here).
 CUDA_NVLINK = SplitHardware(
     name="cuda: H100 SXM, nodes of 8 (bf16 680 TFLOP/s measured; NVLink 360 GB/s, InfiniBand 45 GB/s/GPU; "
-         "NCCL latencies 8.4 us + 3.4 us/step, 14 us/step between nodes; 22 us/kernel)",
+         "NCCL latencies 8.4 us + 3.4 us/step, 14 us/step between nodes; 22 us/kernel; overlap costs 10%)",
     bf16_flops=680e12,
     fp32_flops=50e12,
     bandwidth=360e9,
@@ -142,6 +149,7 @@ CUDA_NVLINK = SplitHardware(
     inter_bandwidth=45e9,
     inter_step_latency=14e-6,
     kernel_launch=22e-6,
+    overlap_cost=0.1,
 )
 
 # This machine (2-core AMD EPYC with AVX512-BF16, torch 2.13.0+cpu), one thread per rank, measured
@@ -274,7 +282,9 @@ class SplitCost:
     collectives: int
     time_s: float  # critical path: the busiest member's FLOPs, plus the collectives
     recursion: tuple[str, ...] = ()  # per segment: "redundant" | "rows" ("-" for a classic step)
-    comm_s: float = 0.0  # of time_s: the collectives
+    comm_s: float = 0.0  # the collectives' seconds
+    compute_s: float = 0.0  # the busiest member's products' seconds
+    units: int = 1  # same-shape units orthogonalised together (their matrices in one batch)
 
     @property
     def flops(self) -> int:
@@ -297,9 +307,16 @@ def split_ns_cost(
     hardware: SplitHardware | None = None,
     widths: Sequence[int] | None = None,
     recursion: str = "auto",
+    units: int = 1,
 ) -> SplitCost:
     """FLOPs per rank, bytes per rank, collectives and modelled time of Newton-Schulz on ``shape``
-    (``[..., m, n]``, either orientation: the long side is split) over k ranks.
+    (``[..., m, n]``, either orientation: the long side is split) over k ranks; with ``units``,
+    of that many same-shape units in one call (their matrices one batch).
+
+    A batch of two or more matrices runs as two halves, interleaved (each half's collectives
+    overlapping the other's products): its time is ``max(C + overlap_cost x min(C, M), M)`` plus
+    one phase of the first half to fill the pipeline, C and M the halves' products and
+    collectives, and never more than the halves one after the other.
 
     ``dtype``: the compute dtype (None: the hardware's default); ``widths``: the members' block
     widths (default :func:`column_blocks`). FLOPs count the matmuls as
@@ -324,7 +341,7 @@ def split_ns_cost(
     check_b_split(b_split)
     check_recursion(recursion)
     steps = resolve_ns_coefficients(coefficients, ns_steps)
-    batch = math.prod(shape[:-2])
+    batch = math.prod(shape[:-2]) * units
     s, l = min(shape[-2:]), max(shape[-2:])
     if widths is None:
         widths = [sl.stop - sl.start for sl in column_blocks(l, k)] if k <= l else None
@@ -381,10 +398,19 @@ def split_ns_cost(
             flops = [f + 2 * batch * products * s**3 for f in flops]
     compute = max(flops) / hardware.flops(dtype)
     time = max(kernels * hardware.kernel_launch, compute + comm)
+    if k > 1 and batch >= 2:  # two halves, interleaved
+        halves = [split_ns_cost((h, s, l), k, ns_steps, method, dtype, coefficients, "rows" if rows else "replicated",
+                                hardware, widths, chosen[0] if chosen and chosen[0] != "-" else "redundant")
+                  for h in (batch - batch // 2, batch // 2)]
+        C, M = sum(h.compute_s for h in halves), sum(h.comm_s for h in halves)
+        fill = min(halves[0].compute_s, halves[0].comm_s) / max(1, halves[0].collectives)
+        overlapped = min(max(C + hardware.overlap_cost * min(C, M), M) + fill, C + M)
+        time = max(2 * kernels * hardware.kernel_launch, overlapped)
+        comm, collectives = M, sum(h.collectives for h in halves)
     return SplitCost(
         shape=shape, k=k, form=form, b_split="rows" if rows else "replicated", plan=tuple(plan),
         flops_per_rank=tuple(flops), bytes_per_rank=int(round(sent)), collectives=collectives, time_s=time,
-        recursion=tuple(chosen), comm_s=comm,
+        recursion=tuple(chosen), comm_s=comm, compute_s=compute, units=units,
     )
 
 

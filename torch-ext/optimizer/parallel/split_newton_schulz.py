@@ -109,6 +109,7 @@ split unit. Its names are re-exported here.
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -235,12 +236,43 @@ def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm
             for length in plan]
 
     Xb = X.to(dtype).reshape(-1, m, ni)
-    if Xb.shape[0] == 1:  # 2-D kernels for a single matrix, as the unsplit code
-        Xb = Xb[0]
     symmetric = _uses_symmetric_blocks(Xb)
-    Xb, A = _normalise_first_gram(Xb, X.dtype, dtype, norm_safety, eps, symmetric, k, group)
-    Xb = _iterate(Xb, A, steps, plan, rows, ways, symmetric, k, rank, group, record)
-    return Xb.reshape(X.shape)
+    # Two or more matrices: two halves, interleaved, so that one half's collectives run while the
+    # other half computes (every member runs the same schedule, so the group sees one order).
+    halves = [Xb] if Xb.shape[0] < 2 or k == 1 else list(torch.tensor_split(Xb, 2))
+
+    def iteration(half):
+        if half.shape[0] == 1:  # 2-D kernels for a single matrix, as the unsplit code
+            half = half[0]
+        half, A = yield from _normalise_first_gram(half, X.dtype, dtype, norm_safety, eps, symmetric, k, group)
+        return (yield from _iterate(half, A, steps, plan, rows, ways, symmetric, k, rank, group, record))
+
+    outs = _interleaved([iteration(h) for h in halves])
+    out = outs[0] if len(outs) == 1 else torch.cat([o.reshape(-1, m, ni) for o in outs])
+    return out.reshape(X.shape)
+
+
+def _interleaved(runs) -> list:
+    """Run generators that yield an async collective's work each time they must wait on one:
+    resume each only once its work is done, taking them in turn (a deterministic order, the
+    same on every member), so that one's collective overlaps the others' products.  Returns
+    what each returns."""
+    results = [None] * len(runs)
+    pending: deque = deque()
+
+    def advance(i, run):
+        try:
+            pending.append((i, run, next(run)))
+        except StopIteration as done:
+            results[i] = done.value
+
+    for i, run in enumerate(runs):
+        advance(i, run)
+    while pending:
+        i, run, work = pending.popleft()
+        work.wait()
+        advance(i, run)
+    return results
 
 
 def _checked_call(X, widths, group, ns_steps, coefficients, norm_safety, method, b_split, compute_dtype):
@@ -278,7 +310,8 @@ def _iterate(Xb, A, steps, plan, rows, ways, symmetric, k, rank, group, record):
     matrix (already summed over the group): one all-reduce of the next Gram matrix per segment
     after the first; a one-step segment is a classic step (B replicated, or by ``rows`` and
     an all-gather), a longer one runs the m x m recursion (``ways``: "redundant" or "rows", per
-    segment) and applies its factor Q."""
+    segment) and applies its factor Q.  A generator (:func:`_interleaved`): it yields each
+    collective's work before it needs the result, and returns the block."""
     addmm = torch.addmm if Xb.ndim == 2 else torch.baddbmm
     mm = torch.mm if Xb.ndim == 2 else torch.bmm
     first = 0
@@ -287,13 +320,13 @@ def _iterate(Xb, A, steps, plan, rows, ways, symmetric, k, rank, group, record):
         if A is None:
             A = _symmetric_product(Xb, Xb.mT, blocks=symmetric)
             if k > 1:
-                dist.all_reduce(A, group=group)
+                yield dist.all_reduce(A, group=group, async_op=True)
         if record is not None:
             record.append(A)
         if length == 1:
             a, b, c = segment[0]
             if rows:
-                B = _b_rows(A, b, c, k, rank, group)
+                B = yield from _b_rows(A, b, c, k, rank, group)
             else:
                 B = _symmetric_product(A, A, A, beta=b, alpha=c, blocks=symmetric)
             if record is not None:
@@ -301,7 +334,7 @@ def _iterate(Xb, A, steps, plan, rows, ways, symmetric, k, rank, group, record):
             Xb = addmm(Xb, B, Xb, beta=a)  # a X_i + B X_i
         else:
             if k > 1 and way == "rows":
-                Q = _gram_factor_rows(A, segment, k, rank, group, record)
+                Q = yield from _gram_factor_rows(A, segment, k, rank, group, record)
             else:
                 Q = _gram_segment_factor(A, segment, symmetric)
             if record is not None:
@@ -313,7 +346,8 @@ def _iterate(Xb, A, steps, plan, rows, ways, symmetric, k, rank, group, record):
 
 def _normalise_first_gram(Xb, input_dtype, dtype, norm_safety, eps, symmetric, k, group):
     """The block divided by the whole matrix's norm (times ``norm_safety``, at least ``eps``) and
-    the first Gram matrix, from one all-reduce of ``[G_i G_i^T, ||G_i||^2]`` in the wide dtype."""
+    the first Gram matrix, from one all-reduce of ``[G_i G_i^T, ||G_i||^2]`` in the wide dtype
+    (a generator, as :func:`_iterate`)."""
     wide = wide_dtype(dtype, input_dtype)
     lead, m = Xb.shape[:-2], Xb.shape[-2]
     count = math.prod(lead)
@@ -327,25 +361,26 @@ def _normalise_first_gram(Xb, input_dtype, dtype, norm_safety, eps, symmetric, k
     norm = torch.linalg.vector_norm(Xb, dim=(-2, -1), keepdim=True, dtype=wide)
     torch.mul(norm, norm, out=squares)
     if k > 1:
-        dist.all_reduce(buf, group=group)
+        yield dist.all_reduce(buf, group=group, async_op=True)
     scale = (squares.sqrt() * norm_safety).clamp_min(eps)
     X = torch.div(Xb, scale, out=torch.empty(Xb.shape, dtype=dtype, device=Xb.device))
     A = torch.div(gram, scale * scale, out=torch.empty(gram.shape, dtype=dtype, device=Xb.device))
     return X, A
 
 
-def _b_rows(A: Tensor, b: float, c: float, k: int, rank: int, group) -> Tensor:
-    """B = b A + c A^2 with each member computing its rows, then one all-gather."""
+def _b_rows(A: Tensor, b: float, c: float, k: int, rank: int, group):
+    """B = b A + c A^2 with each member computing its rows, then one all-gather (a generator)."""
     start, stop, p = row_block(A.shape[-1], k, rank)
     addmm = torch.addmm if A.ndim == 2 else torch.baddbmm
     mine = A[..., start:stop, :]
-    return _gather_rows(addmm(mine, mine, A, beta=b, alpha=c), k, p, group)
+    return (yield from _gather_rows(addmm(mine, mine, A, beta=b, alpha=c), k, p, group))
 
 
-def _gram_factor_rows(A: Tensor, segment, k: int, rank: int, group, record) -> Tensor:
+def _gram_factor_rows(A: Tensor, segment, k: int, rank: int, group, record):
     """Q of one Gram segment (:func:`~optimizer.newton_schulz._gram_segment_factor`'s products)
-    with each member computing its rows of every product, and 2L all-gathers (module docstring).
-    ``A`` is the segment's Gram matrix, whole and the same on every member; so is what returns."""
+    with each member computing its rows of every product, and 2L all-gathers (module docstring;
+    a generator). ``A`` is the segment's Gram matrix, whole and the same on every member; so is
+    what returns."""
     m = A.shape[-1]
     start, stop, p = row_block(m, k, rank)
     addmm = torch.addmm if A.ndim == 2 else torch.baddbmm
@@ -353,7 +388,7 @@ def _gram_factor_rows(A: Tensor, segment, k: int, rank: int, group, record) -> T
     for j, (a, b, c) in enumerate(segment):
         mine = A[..., start:stop, :]
         B_rows = addmm(mine, mine, A, beta=b, alpha=c)  # b A + c A A
-        B = _gather_rows(B_rows, k, p, group)
+        B = yield from _gather_rows(B_rows, k, p, group)
         if record is not None:
             record.append(B)
         if Q is None:  # q(A) = a I + B: the identity's ones sit at (i, start + i) of these rows
@@ -365,22 +400,24 @@ def _gram_factor_rows(A: Tensor, segment, k: int, rank: int, group, record) -> T
             AQ_rows = addmm(mine, mine, B, beta=a)  # A q(A) = a A + A B
             # the next A = q(A) A q(A) = a AQ + B AQ, by columns: AQ's columns are its rows transposed
             columns = addmm(AQ_rows.mT, B, AQ_rows.mT, beta=a)
-            A = _gather_rows(columns.mT, k, p, group)  # symmetric: its rows are these columns transposed
+            A = yield from _gather_rows(columns.mT, k, p, group)  # symmetric: its rows are these columns transposed
             if record is not None:
                 record.append(A)
-    return _gather_rows(Q, k, p, group)
+    return (yield from _gather_rows(Q, k, p, group))
 
 
-def _gather_rows(part: Tensor, k: int, p: int, group) -> Tensor:
+def _gather_rows(part: Tensor, k: int, p: int, group):
     """The whole m x m matrix from every member's rows ``part`` (``[..., r, m]``, r <= p: member j
-    holds rows ``[j p, j p + r)``), by one all-gather of p rows each (the last members pad)."""
+    holds rows ``[j p, j p + r)``), by one all-gather of p rows each (the last members pad; a
+    generator)."""
     lead, r, m = part.shape[:-2], part.shape[-2], part.shape[-1]
     if r < p:  # pad to p rows (the last members); the padding is dropped below
         padded = part.new_zeros((*lead, p, m))
         padded[..., :r, :] = part
         part = padded
     gathered = part.new_empty((k, *lead, p, m))
-    _all_gather(gathered.view(-1), part.contiguous().view(-1), group=group)  # flat: what every backend takes
+    flat = part.contiguous().view(-1)  # flat: what every backend takes
+    yield _all_gather(gathered.view(-1), flat, group=group, async_op=True)
     if part.ndim == 2:
         return gathered.view(k * p, m)[:m]
     return gathered.movedim(0, -3).reshape(*lead, k * p, m)[..., :m, :]
