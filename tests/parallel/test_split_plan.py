@@ -223,8 +223,10 @@ def test_the_padded_piece_of_a_block_is_the_longest_slice_of_it():
     lengths = [23, 23, 23, 21]  # torch.chunk of 90 rows over 4
     rows = cut_blocks(lengths, S)
     want = [max(sl.stop - sl.start for sl in rows[j]) for j in range(S)]
-    got = sorted(p.padded[-2] for c in plan.chunks for p in c.packs)
-    assert got == sorted(want) and all(p.padded[-1] == 20 for c in plan.chunks for p in c.packs)
+    # (this rank's pieces of one cut unit's blocks travel as one pack: the blocks it stands for)
+    blocks = [b for c in plan.chunks for p in c.packs for b in (p.blocks or [(p.offset, p.padded, p.mine)])]
+    got = sorted(padded[-2] for _, padded, _ in blocks)
+    assert got == sorted(want) and all(padded[-1] == 20 for _, padded, _ in blocks)
 
 
 def test_a_cut_units_blocks_share_one_chunk_whatever_the_owners_other_work():

@@ -18,6 +18,11 @@ from .plan_types import Chunk, Owned, Pack, PlanParam, Region, SplitOwned, Updat
 from .plan_world import _Job
 from .split_plan import block_offsets, canonical_sets, cut_blocks
 
+# A rank's pieces of a cut unit's blocks travel as one pack (and one update) when its piece of the
+# unit has at most this many elements: there the calls per block, not their kernels, cost the time.
+FUSE_MAX_ELEMENTS = 1 << 16
+
+
 def _device_indexer(indices, device) -> tuple:
     moved = tuple(ix if isinstance(ix, slice) else ix.to(device) for ix in indices)
     return as_indexer(moved)
@@ -149,12 +154,13 @@ class _RankView:
 
         # 1. gather: my piece of every job owned in my shard group, by owner.
         offset = 0
+        placed = []
         for k, owned in enumerate(by_member):
             for job in owned:
                 pad = self.padded(job)
-                chunk.packs.append(Pack(job.param, self.region(job), offset, pad, self.mine(job),
-                                        self.slots(job.param)))
+                placed.append((job, offset, pad))
                 offset += math.prod(pad)
+        chunk.packs = self._fused(placed, Pack)
         chunk.send_splits = segments
 
         # 2. the jobs I own: assembly and scatter recipes.
@@ -182,18 +188,59 @@ class _RankView:
         chunk.scatter_recv_splits = [
             sum(math.prod(self.padded(j)) for j in owned) for owned in by_member
         ]
-        base = 0
-        for owned in by_member:
-            for job in owned:
-                pad = self.padded(job)
-                chunk.updates.append(Update(job.param, self.region(job), "scatter", base, pad, self.mine(job),
-                                            self.slots(job.param)))
-                base += math.prod(pad)
+        chunk.updates = self._fused(placed, lambda *a, **kw: Update(*a[:2], "scatter", *a[2:], **kw))
 
         # 4. replica exchange: blocks of jobs owned in other replicas.
         if chunk.replica_group is not None:
             self._exchange(chunk, jobs)
         return chunk
+
+    def _fused(self, placed, make) -> list:
+        """Packs (or scatter updates) of ``placed`` jobs ``(job, offset, padded)``: one per job, except
+        that this rank's pieces of the blocks of one cut unit (without row state) are one entry
+        with an index (``Pack.index``): one momentum call and one index kernel for the unit, not
+        one of each per block."""
+        out, cut = [], {}
+        for job, offset, pad in placed:
+            slots = self.slots(job.param)
+            if job.cut is not None and not slots:
+                cut.setdefault((job.param, job.unit), []).append((job, offset, pad))
+                continue
+            out.append(make(job.param, self.region(job), offset, pad, self.mine(job), slots))
+        for blocks in cut.values():
+            job = blocks[0][0]
+            extent = _local_shape(self.params[job.param], self.rank)[job.cut.dim]
+            piece = math.prod(self.mine(job)) // max(1, self.mine(job)[job.cut.dim]) * extent
+            if (len(blocks) == 1 or piece > FUSE_MAX_ELEMENTS
+                    or sum(self.mine(j)[job.cut.dim] for j, _, _ in blocks) != extent):
+                # one block, a large piece (its kernels outlast the calls; an index would cost 8 bytes
+                # an element), or blocks owned in another replica too (split over replicas): one each
+                out += [make(j.param, self.region(j), offset, pad, self.mine(j), 0) for j, offset, pad in blocks]
+                continue
+            out.append(self._fused_entry(blocks, make))
+        return out
+
+    def _fused_entry(self, blocks, make):
+        """One entry for this rank's pieces of every block of a cut unit: its piece of the unit,
+        and where each of its elements sits in the buffer."""
+        job0 = blocks[0][0]
+        dim = job0.cut.dim
+        pieces = [(self._cut(job)[1], self.mine(job), offset, pad) for job, offset, pad in blocks]
+        shape = list(pieces[0][1])
+        shape[dim] = sum(m[dim] for _, m, _, _ in pieces)
+        index = torch.empty(shape, dtype=torch.long)
+        for local, mine, offset, pad in pieces:
+            if not math.prod(mine):
+                continue
+            where = torch.arange(offset, offset + math.prod(pad)).view(pad)[tuple(slice(0, n) for n in mine)]
+            if dim == -1:
+                index[..., local] = where
+            else:
+                index[..., local, :] = where
+        head = _region(job0.leading)
+        return make(job0.param, head, -1, (), tuple(shape), 0,
+                    index=index.reshape(-1).to(self.params[job0.param].device),
+                    blocks=tuple((offset, pad, mine) for _, mine, offset, pad in pieces))
 
     def _split_group(self, job: _Job):
         try:

@@ -79,6 +79,11 @@ class Pack:
     padded: tuple[int, ...]  # the block in the buffer (its last ``row_slots`` columns: row state)
     mine: tuple[int, ...]  # this rank's piece of the matrix (<= padded)
     row_slots: int = 0
+    # Every block of a cut unit at once (plan_rank._fused): where each element of this rank's
+    # piece of the unit (``mine``, row-major) goes in the buffer; offset and padded unused, the
+    # blocks it stands for in ``blocks`` as (offset, padded, mine).
+    index: object = None
+    blocks: tuple = ()
 
 
 @dataclass
@@ -125,6 +130,8 @@ class Update:
     padded: tuple[int, ...]
     mine: tuple[int, ...]
     row_slots: int = 0
+    index: object = None  # as Pack.index: every block of a cut unit at once
+    blocks: tuple = ()
 
 
 @dataclass

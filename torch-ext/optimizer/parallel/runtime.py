@@ -185,6 +185,11 @@ def start_gather(chunk: Chunk | MoveChunk, steps: Sequence[Stages], stats: Pipel
     with stats.time("gather"):
         send = torch.empty(chunk.send_numel, dtype=chunk.wire_dtype, device=chunk.device)
         for pack in chunk.packs:
+            if pack.index is not None:  # every block of a cut unit: one momentum call, one index kernel
+                piece = torch.empty(pack.mine, dtype=chunk.wire_dtype, device=chunk.device)
+                steps[pack.param].input_into(piece, pack.region)
+                send.index_copy_(0, pack.index, piece.view(-1))
+                continue
             slot = _piece(send, pack.offset, pack.padded, pack.mine)
             if slot.numel():
                 steps[pack.param].input_into(slot, pack.region)
@@ -368,6 +373,10 @@ def finish_update(flight: _Flight, steps: Sequence[Stages], stats: PipelineStats
     with stats.time("update"):
         for u in chunk.updates:
             buffer = scatter if u.source == "scatter" else flight.recv
+            if u.index is not None:  # every block of a cut unit at once (Pack.index)
+                steps[u.param].apply_update(u.region, buffer.index_select(0, u.index).view(u.mine), None)
+                updated.append(steps[u.param])
+                continue
             block = _piece(buffer, u.offset, u.padded, u.mine)
             rows = _row_piece(buffer, u.offset, u.padded, u.mine, u.row_slots) if u.row_slots else None
             if not block.numel() and (rows is None or not rows.numel()):
