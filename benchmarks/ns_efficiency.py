@@ -3,12 +3,13 @@
     python benchmarks/ns_efficiency.py                      # default shapes, 1 thread
     python benchmarks/ns_efficiency.py --shapes 512x512,8x256x512 --threads 2
 
-For each shape it times, on the same device and in the same dtype
-(``default_compute_dtype``: fp32 on CPU, bf16 on CUDA), 5 iterations of:
+For each shape it times, on the same device and in the package's default dtypes
+(``compute_dtype=None``: fp32 on CPU; on CUDA bf16 for the classic form and fp16 for the Gram
+form, ``ns_form_dtypes``), 5 iterations of:
 
   * classic     ``zeropower_via_newtonschulz(method="classic")``;
   * gram        ``method="gram"``: the iteration on the s x s Gram matrix, with
-                the restart plan of the compute dtype;
+                the restart plan of its dtype;
   * auto        ``method="auto"`` (the default), which runs one of the two,
                 chosen by ``choose_ns_method`` from the FLOP counts;
   * mm          the classic form's matmuls as bare ``torch.mm`` calls
@@ -32,15 +33,18 @@ with those of the form it chose, the same computation). Methods are timed in
 turn, repeat by repeat, so background load hits them alike. Results go to
 ``bench_results/ns_efficiency_<device>.{json,md}``.
 
-    python benchmarks/ns_efficiency.py --restart-study [--study-shape 128x512]
+    python benchmarks/ns_efficiency.py --restart-study [--study-shape 128x512] [--study-seeds 3]
 
-instead measures why the Gram form restarts: on Gaussian, rank-1, rank-s/8,
-ill-conditioned (cond 1e4) and power-law (sigma_i ~ 1/i) inputs, fp32 and bf16,
-both coefficient tables, 5 and 10 steps, it runs the classic form and the Gram
-form with the package's restart plan, with none, with one restart after step 2
-(Dao et al.'s choice for fp16) and one every 3 steps, and reports each one's
-largest singular-value error against the fp64 classic iteration (``inf``: it
-blew up). Writes ``bench_results/ns_restarts_<tag>.{json,md}``.
+instead measures how the Gram form's restart plan keeps it accurate: on Gaussian, rank-1,
+rank-s/8, ill-conditioned (cond 1e4 and 1e6) and power-law (sigma_i ~ 1/i) inputs, fp16, bf16
+and fp32, both coefficient tables, 5 and 10 steps, it runs the classic form and the Gram form
+with the package's restart plan, with one restart after step 2 (Dao et al.'s choice for fp16),
+with none and with one every 3 steps, through the package's own normalisation and rounding,
+and reports each one's largest singular-value error against the fp64 classic iteration (max
+over seeds; ``inf``: it blew up) beside the band: the classic 16-bit iteration's own error (the
+larger of bf16's and fp16's; docs/newton_schulz.md). Writes
+``bench_results/ns_restarts_<tag>.{json,md}``. bf16 and fp16 matmuls are slow on some CPUs:
+128x512 takes a few minutes here, 256x1024 about four times that.
 """
 
 from __future__ import annotations
@@ -62,8 +66,8 @@ sys.path.insert(0, str(_REPO / "torch-ext"))
 
 from optimizer.newton_schulz import (  # noqa: E402
     NS_NORM_SAFETY,
-    _gram_iterations,
-    _normalised,
+    _zeropower,
+    choose_ns_form,
     choose_ns_method,
     default_compute_dtype,
     gram_restart_plan,
@@ -177,7 +181,7 @@ def measure_shape(shape, ns_steps: int, repeats: int, min_block: int, device: to
     X = G.to(dtype).reshape(-1, m, n)
     X = (X.mT if m > n else X).contiguous()
     methods = {
-        **{form: (lambda form=form: zeropower_via_newtonschulz(G, ns_steps=ns_steps, compute_dtype=dtype, method=form))
+        **{form: (lambda form=form: zeropower_via_newtonschulz(G, ns_steps=ns_steps, method=form))
            for form in FORMS},
         "mm": lambda: plain_matmuls(X, ns_steps),
         "symmetric": lambda: symmetric_newtonschulz(G, ns_steps, min_block, dtype),
@@ -188,22 +192,24 @@ def measure_shape(shape, ns_steps: int, repeats: int, min_block: int, device: to
     for _ in range(repeats):
         for k, fn in methods.items():
             times[k].append(_timed(fn, device))
-    chosen = choose_ns_method(shape, ns_steps, "auto", dtype)
+    chosen = choose_ns_method(shape, ns_steps, "auto", None, "fixed", device)
+    gram_dtype = choose_ns_form(shape, ns_steps, "gram", None, "fixed", device)[1]
     # auto runs exactly the chosen form's code: pool their repeats, so the verdicts rest on
     # twice the samples rather than on two noisy estimates of one computation
     times["auto"] = times["auto"] + times[chosen]
-    flops = {form: newton_schulz_flops(shape, ns_steps, form, dtype) for form in FORMS}
+    flops = {form: newton_schulz_flops(shape, ns_steps, form, None, "fixed", device) for form in FORMS}
     classic_flops = flops["classic"]
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
-    reference = zeropower_via_newtonschulz(G, ns_steps=ns_steps, compute_dtype=dtype, method="classic").float()
+    reference = zeropower_via_newtonschulz(G, ns_steps=ns_steps, method="classic").float()
     sym_diff = (symmetric_newtonschulz(G, ns_steps, min_block, dtype).float() - reference).abs().max().item()
-    gram = zeropower_via_newtonschulz(G, ns_steps=ns_steps, compute_dtype=dtype, method="gram").float()
+    gram = zeropower_via_newtonschulz(G, ns_steps=ns_steps, method="gram").float()
     return dict(
         shape=list(shape),
         gflop=classic_flops / 1e9,  # the classic form's, as before
         chosen=chosen,
-        gram_restart_plan=list(gram_restart_plan("fixed", ns_steps, dtype)),
+        gram_restart_plan=list(gram_restart_plan("fixed", ns_steps, gram_dtype)),
+        gram_dtype=str(gram_dtype).replace("torch.", ""),
         gflop_of={form: f / 1e9 for form, f in flops.items()},
         flop_ratio={form: classic_flops / f for form, f in flops.items()},
         median_s=med,
@@ -253,7 +259,8 @@ def render_markdown(result: dict) -> str:
         "# Newton–Schulz efficiency",
         "",
         f"- device: {hw.get('gpu', hw['cpu'])} ({hw['device']}), {hw['threads']} thread(s); torch {hw['torch']}; "
-        f"dtype {result['dtype']}; {result['ns_steps']} iterations; median of {result['repeats']} repeats",
+        f"dtype {result['dtype']} (the Gram form: {result['shapes'][0]['gram_dtype'] if result['shapes'] else '-'}); "
+        f"{result['ns_steps']} iterations; median of {result['repeats']} repeats",
         "- each ratio is given of the medians and of the minima (the least disturbed repeats; use these on a "
         "shared machine)",
         "",
@@ -302,11 +309,31 @@ def render_markdown(result: dict) -> str:
 
 # ------------------------------------------------------------------ restart study
 
-STUDY_INPUTS = ("gaussian", "rank 1", "rank s/8", "cond 1e4", "power law")
+STUDY_INPUTS = ("gaussian", "rank 1", "rank s/8", "cond 1e4", "cond 1e6", "power law")
+STUDY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+STUDY_FORMS = ("classic", "package plan", "after step 2", "no restart", "every 3")
+# The band (docs/newton_schulz.md): on each input, the larger of the classic bf16 and fp16
+# iterations' errors; a form is within it at <= 1.0x, or when both errors are at least SATURATED
+# and the form's is no larger than what the polynomials can output (``attractor_ceiling``).
+BAND_DTYPES = (torch.bfloat16, torch.float16)
+SATURATED = 0.5
+
+
+def attractor_ceiling(name: str, ns_steps: int) -> float:
+    """The largest singular value the iteration can output, whatever rounding did to its inputs:
+    S_0 = 1, S_k = max |p_k| on [0, S_(k-1)] (fp64, 4097 points), plus 2^-6 for 16-bit rounding.
+    A lifted noise direction ends at most there; past it, the iteration blew up."""
+    top = 1.0
+    for a, b, c in resolve_ns_coefficients(name, ns_steps):
+        x = torch.linspace(0.0, top, 4097, dtype=torch.float64)
+        top = float((a * x + b * x**3 + c * x**5).abs().max())
+    return top * (1 + 2.0**-6)
 
 
 def study_input(kind: str, m: int, n: int, seed: int) -> torch.Tensor:
-    """An fp64 m x n matrix of the given kind (see STUDY_INPUTS)."""
+    """An fp64 m x n matrix of the given kind (see STUDY_INPUTS): Gaussian; rank 1 or rank
+    min(m, n) / 8 (at least 2); singular values log-spaced over a condition number of 1e4 or 1e6;
+    or a power law sigma_i = 1 / i; random singular vectors."""
     g = torch.Generator().manual_seed(seed)
     k = min(m, n)
     if kind == "gaussian":
@@ -315,68 +342,131 @@ def study_input(kind: str, m: int, n: int, seed: int) -> torch.Tensor:
         r = 1 if kind == "rank 1" else max(2, k // 8)
         return torch.randn(m, r, generator=g, dtype=torch.float64) @ torch.randn(r, n, generator=g, dtype=torch.float64)
     index = torch.arange(1, k + 1, dtype=torch.float64)
-    spectrum = 10.0 ** (-4 * (index - 1) / (k - 1)) if kind == "cond 1e4" else 1 / index
+    if kind.startswith("cond"):
+        spectrum = 10.0 ** (-float(kind.split("e")[1]) * (index - 1) / (k - 1))
+    elif kind == "power law":
+        spectrum = 1 / index
+    else:
+        raise ValueError(f"study_input: unknown kind {kind!r}; one of {STUDY_INPUTS}")
     U, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
     V, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
     return (U * spectrum) @ V.mT
 
 
-def study_plans(name: str, ns_steps: int, dtype: torch.dtype) -> dict[str, tuple[int, ...]]:
+def study_plans(name: str, ns_steps: int, dtype: torch.dtype) -> dict[str, tuple[int, ...] | None]:
+    """The forms compared: the classic iteration (None), the Gram form with the package's plan,
+    with one restart after step 2 (Dao et al.'s choice for 5-step fp16), with none, and every 3."""
     every3 = tuple([3] * (ns_steps // 3) + ([ns_steps % 3] if ns_steps % 3 else []))
-    return {"package plan": gram_restart_plan(name, ns_steps, dtype), "no restart": (ns_steps,),
-            "after step 2": (2, ns_steps - 2), "every 3": every3}
+    return {"classic": None, "package plan": gram_restart_plan(name, ns_steps, dtype),
+            "after step 2": (2, ns_steps - 2), "no restart": (ns_steps,), "every 3": every3}
 
 
-def gram_with_plan(G: torch.Tensor, name: str, ns_steps: int, dtype: torch.dtype, plan) -> torch.Tensor:
-    """The package's Gram iteration on a single matrix with a given restart plan."""
-    X = _normalised(G, dtype, NS_NORM_SAFETY[name], 1e-7)[0]
-    X = _gram_iterations(X, resolve_ns_coefficients(name, ns_steps), plan)
-    return X.mT if G.shape[-2] > G.shape[-1] else X
+def run_form(G: torch.Tensor, name: str, ns_steps: int, dtype: torch.dtype, plan) -> torch.Tensor:
+    """The package's iteration (its normalisation and input/output rounding, ``ns_io_dtype``) on
+    G, given as fp32, in ``dtype``: the classic form (``plan`` None) or the Gram form with ``plan``."""
+    steps = resolve_ns_coefficients(name, ns_steps)
+    return _zeropower(G, steps, dtype, plan, NS_NORM_SAFETY[name], 1e-7)
 
 
-def restart_study(shape, seed: int) -> list[dict]:
+def sv_error(Y: torch.Tensor, reference_sv: torch.Tensor) -> float:
+    """Largest |singular value of Y - the reference's| (sorted), inf for a non-finite Y."""
+    Y = Y.double()
+    if not bool(torch.isfinite(Y).all()):
+        return math.inf
+    return (torch.linalg.svdvals(Y) - reference_sv).abs().max().item()
+
+
+def within_band(error: float, band: float, ceiling: float) -> bool:
+    return error <= band or (band >= SATURATED and SATURATED <= error <= ceiling)
+
+
+def restart_study(shape, seeds: int) -> list[dict]:
+    """Per (dtype, table, steps, input): each form's error (max over seeds) and the band."""
     m, n = shape
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for name in ("fixed", "polar_express"):
-            for ns_steps in (5, 10):
-                plans = study_plans(name, ns_steps, dtype)
+    for name in ("fixed", "polar_express"):
+        for ns_steps in (5, 10):
+            errors: dict = {}  # (dtype, form, input) -> max over seeds
+            plans = {dtype: study_plans(name, ns_steps, dtype) for dtype in STUDY_DTYPES}
+            for seed in range(seeds):
                 for kind in STUDY_INPUTS:
                     G = study_input(kind, m, n, seed)
-                    reference = zeropower_via_newtonschulz(G, ns_steps, name, compute_dtype=torch.float64,
-                                                           method="classic")
-                    sv_ref = torch.linalg.svdvals(reference)
-                    outputs = {"classic": zeropower_via_newtonschulz(G.float(), ns_steps, name, compute_dtype=dtype,
-                                                                     method="classic")}
-                    outputs |= {k: gram_with_plan(G.float(), name, ns_steps, dtype, plan) for k, plan in plans.items()}
-                    errors = {}
-                    for k, Y in outputs.items():
-                        Y = Y.double()
-                        ok = bool(torch.isfinite(Y).all())
-                        errors[k] = (torch.linalg.svdvals(Y) - sv_ref).abs().max().item() if ok else math.inf
-                    rows.append(dict(dtype=str(dtype).replace("torch.", ""), table=name, ns_steps=ns_steps,
-                                     input=kind, plans={k: list(v) for k, v in plans.items()}, max_sv_error=errors))
-                    print(f"{rows[-1]['dtype']} {name} {ns_steps} {kind}: "
-                          + " ".join(f"{k}={v:.1e}" for k, v in errors.items()), file=sys.stderr, flush=True)
+                    reference = torch.linalg.svdvals(run_form(G, name, ns_steps, torch.float64, None))
+                    for dtype in STUDY_DTYPES:
+                        for form, plan in plans[dtype].items():
+                            e = sv_error(run_form(G.float(), name, ns_steps, dtype, plan), reference)
+                            key = (dtype, form, kind)
+                            errors[key] = max(errors.get(key, 0.0), e)
+                print(f"{name} {ns_steps} steps, seed {seed} done", file=sys.stderr, flush=True)
+            ceiling = attractor_ceiling(name, ns_steps)
+            for dtype in STUDY_DTYPES:
+                for kind in STUDY_INPUTS:
+                    band = max(errors[(d, "classic", kind)] for d in BAND_DTYPES)
+                    err = {form: errors[(dtype, form, kind)] for form in STUDY_FORMS}
+                    rows.append(dict(
+                        dtype=str(dtype).replace("torch.", ""), table=name, ns_steps=ns_steps, input=kind,
+                        plans={f: (None if p is None else list(p)) for f, p in plans[dtype].items()},
+                        band=band, band_of={str(d).replace("torch.", ""): errors[(d, "classic", kind)] for d in BAND_DTYPES},
+                        ceiling=ceiling, max_sv_error=err, in_band={f: within_band(e, band, ceiling) for f, e in err.items()},
+                    ))
     return rows
+
+
+def summarise_study(rows: list[dict]) -> list[dict]:
+    """Per (dtype, table, steps): each form's worst error / band over the inputs whose band is not
+    saturated (below SATURATED; the others are judged by ``within_band`` alone), and whether it is
+    within the band on every input."""
+    out = []
+    keys = list(dict.fromkeys((r["dtype"], r["table"], r["ns_steps"]) for r in rows))
+    for key in keys:
+        mine = [r for r in rows if (r["dtype"], r["table"], r["ns_steps"]) == key]
+        resolved = [r for r in mine if r["band"] < SATURATED]
+        worst, ok = {}, {}
+        for form in STUDY_FORMS:
+            worst[form] = max((r["max_sv_error"][form] / r["band"] for r in resolved), default=math.nan)
+            ok[form] = all(r["in_band"][form] for r in mine)
+        out.append(dict(dtype=key[0], table=key[1], ns_steps=key[2], plans=mine[0]["plans"],
+                        saturated=[r["input"] for r in mine if r["band"] >= SATURATED],
+                        worst_ratio=worst, in_band=ok))
+    return out
 
 
 def render_restart_study(result: dict) -> str:
     hw = result["hardware"]
-    columns = ["classic", "package plan", "no restart", "after step 2", "every 3"]
+    shape = "x".join(map(str, result["shape"]))
+    plan_text = lambda p: "classic" if p is None else "+".join(map(str, p))
     lines = [
         "# Gram Newton–Schulz restarts",
         "",
-        f"- {hw['cpu']}, torch {hw['torch']}; shape {'x'.join(map(str, result['shape']))}; "
-        "largest |singular value - the fp64 classic iteration's| (inf: non-finite output)",
+        f"- {hw['cpu']}, torch {hw['torch']}; shape {shape}; {result['seeds']} seeds per input; error = largest "
+        "|singular value - the fp64 classic iteration's| (max over seeds; inf: non-finite output)",
+        "- band = the larger of the classic bf16 and fp16 iterations' errors on that input; within it: error "
+        f"<= 1.0x band, or both >= {SATURATED} and the error at most what the polynomials can output "
+        "(saturated: lifted noise)",
         "",
-        "| dtype | table | steps | input | plans (package / after 2 / every 3) | " + " | ".join(columns) + " |",
-        "|---|---|---|---|---|" + "---|" * len(columns),
+        "## Worst error / band (inputs with a saturated band left out of the ratio); within the band on every "
+        "input: yes / no",
+        "",
+        "| dtype | table | steps | package plan | " + " | ".join(STUDY_FORMS) + " | saturated inputs |",
+        "|---|---|---|---|" + "---|" * len(STUDY_FORMS) + "---|",
+    ]
+    for s in result["summary"]:
+        cells = " | ".join(f"{s['worst_ratio'][f]:.2f} {'yes' if s['in_band'][f] else 'no'}" for f in STUDY_FORMS)
+        lines.append(f"| {s['dtype']} | {s['table']} | {s['ns_steps']} | {plan_text(s['plans']['package plan'])} | "
+                     f"{cells} | {', '.join(s['saturated']) or '-'} |")
+    lines += [
+        "",
+        "## Errors per input",
+        "",
+        "| dtype | table | steps | input | band (bf16 / fp16 classic) | " + " | ".join(STUDY_FORMS) + " |",
+        "|---|---|---|---|---|" + "---|" * len(STUDY_FORMS),
     ]
     for r in result["rows"]:
-        plans = " / ".join("+".join(map(str, r["plans"][k])) for k in ("package plan", "after step 2", "every 3"))
-        cells = " | ".join(f"{r['max_sv_error'][k]:.1e}" for k in columns)
-        lines.append(f"| {r['dtype']} | {r['table']} | {r['ns_steps']} | {r['input']} | {plans} | {cells} |")
+        band = f"{r['band']:.1e} ({r['band_of']['bfloat16']:.1e} / {r['band_of']['float16']:.1e})"
+        cells = " | ".join(f"{r['max_sv_error'][f]:.1e}" + ("" if r["in_band"][f] else " *") for f in STUDY_FORMS)
+        lines.append(f"| {r['dtype']} | {r['table']} | {r['ns_steps']} | {r['input']} | {band} | {cells} |")
+    lines += ["", "`*`: outside the band. The other plans: after step 2 = 2 + (steps - 2) (one restart, Dao et "
+              "al.'s placement), no restart = one segment, every 3 = 3 + 3 + ... (the rest last)."]
     return "\n".join(lines) + "\n"
 
 
@@ -395,8 +485,9 @@ def parse_args(argv=None):
     p.add_argument("--restart-study", action="store_true",
                    help="measure the Gram form's errors with several restart plans instead of timing")
     p.add_argument("--study-shape", default="128x512", help="m x n of the restart study (bf16 on CPU is slow)")
+    p.add_argument("--study-seeds", type=int, default=3, help="inputs of each kind in the restart study")
     args = p.parse_args(argv)
-    for name in ("ns_steps", "repeats", "threads", "sym_min_block"):
+    for name in ("ns_steps", "repeats", "threads", "sym_min_block", "study_seeds"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.shape_list = [parse_shape(s) for s in args.shapes.split(",") if s]
@@ -444,8 +535,9 @@ def hardware(device: torch.device, threads: int) -> dict:
 
 
 def run_restart_study(args) -> dict:
+    rows = restart_study(args.study_shape, args.study_seeds)
     result = dict(hardware=hardware(torch.device("cpu"), args.threads), shape=list(args.study_shape),
-                  rows=restart_study(args.study_shape, args.seed))
+                  seeds=args.study_seeds, rows=rows, summary=summarise_study(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or "cpu"

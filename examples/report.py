@@ -192,21 +192,13 @@ def hardware() -> dict:
     }
 
 
-# ------------------------------------------------------------------ README
+# ------------------------------------------------------------------ the recorded run in the docs
 
 
-def _replace_block(text: str, name: str, body: str) -> str:
-    start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
-    if start not in text or end not in text:
-        raise ValueError(f"README has no {start} ... {end} block")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    return f"{head}{start}\n{body.rstrip()}\n{end}{tail}"
-
-
-def update_readme(readme_path: str, results_dir: str) -> None:
-    """Put the recorded main job's table and hardware, and the sweep's table, into
-    README's marked blocks (``<!-- main-job-table -->`` ... ``<!-- /main-job-table -->``, ...)."""
+def recorded_blocks(results_dir: str) -> dict[str, str]:
+    """The Markdown blocks that show the recorded main job and sweep (``scripts/gen_docs.py`` puts
+    each between its markers, ``<!-- main-job-table -->`` ... ``<!-- /main-job-table -->``, in
+    README.md and docs/)."""
     import json
 
     with open(os.path.join(results_dir, "main_job.json")) as f:
@@ -217,16 +209,18 @@ def update_readme(readme_path: str, results_dir: str) -> None:
     hardware = (f"Hardware: {hw['cpu']}, {hw['cpu_count']} cores, {hw['platform']}; torch {hw['torch']}, "
                 f"CPython {hw['python']}; gloo, {job['world_size']} ranks with {hw['threads_per_rank']} thread "
                 f"each. The {len(job['runs'])} runs together took {job['job_wall_s']:.0f} s.")
-    with open(readme_path) as f:
-        text = f.read()
-    text = _replace_block(text, "main-job-table", markdown_table(comparison_rows(job["runs"], job["tolerance"])))
-    text = _replace_block(text, "main-job-hardware", hardware)
-    text = _replace_block(text, "lr-sweep-table", sweep_table)
-    with open(readme_path, "w") as f:
-        f.write(text)
+    return {
+        "main-job-table": markdown_table(comparison_rows(job["runs"], job["tolerance"])),
+        "main-job-hardware": hardware,
+        "lr-sweep-table": sweep_table,
+    }
 
 
 if __name__ == "__main__":
-    # python examples/report.py: refresh README from examples/results/ after a new run
+    # python examples/report.py: refresh the docs' tables from examples/results/ after a new run
+    # (the same as python scripts/gen_docs.py, which regenerates every generated block)
+    import runpy
+
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    update_readme(os.path.join(_root, "README.md"), os.path.join(_root, "examples", "results"))
+    sys.argv = [os.path.join(_root, "scripts", "gen_docs.py")]
+    runpy.run_path(sys.argv[0], run_name="__main__")

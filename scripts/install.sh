@@ -5,7 +5,9 @@
 #   scripts/install.sh [EXTRAS]        # EXTRAS: e.g. "test" or "test,bench" (default: none)
 #
 # Environment: PYTHON (default python3), VENV (default .venv in the repository),
-# TORCH_VERSION (default 2.13.0), TORCH_INDEX_URL (an extra index for the torch wheel).
+# TORCH_VERSION (default 2.13.0; any release of the supported range, docs/torch_versions.md),
+# TORCH_INDEX_URL (an extra index for the torch wheel), TRITON_VERSION (default 3.9.0: the triton
+# installed beside a torch build that requires none, i.e. the CPU wheel).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -22,19 +24,27 @@ PY="$VENV/bin/python"
 
 # torch first and pinned: resolving a bare `torch>=2.8` from the package's
 # dependencies would pick the default wheel, which pulls several GB of CUDA libraries.
+# Everything after torch resolves with torch pinned, so no dependency (torchtitan's, ...) can
+# replace it with another build.  The pin is passed as PIP_CONSTRAINT, which replaces any
+# constraint file a pip configuration names (a machine may cap torch, e.g. torch<=2.14.1, which
+# would refuse the newest release in our range): torch's pin is the only constraint.
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+echo "torch==$TORCH_VERSION" >"$constraints"
+export PIP_CONSTRAINT="$constraints"
 torch_index=()
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
     torch_index=(--extra-index-url "$TORCH_INDEX_URL")
 fi
 "$PY" -m pip install --quiet "torch==$TORCH_VERSION" ${torch_index[@]+"${torch_index[@]}"}
-# Everything after torch resolves with torch pinned, so no dependency (torchtitan's, ...) can
-# replace it with another build.
-constraints="$(mktemp)"
-trap 'rm -f "$constraints"' EXIT
-echo "torch==$TORCH_VERSION" >"$constraints"
+# triton (torchtitan's model code imports it): a CUDA build of torch requires its own triton, which
+# then stays; the CPU build requires none, and gets the release CI tests with (TRITON_VERSION).
+if ! "$PY" -c 'import importlib.metadata as m, sys; sys.exit(not any(r.startswith("triton") for r in m.requires("torch") or []))'; then
+    echo "triton==${TRITON_VERSION:-3.9.0}" >>"$constraints"
+fi
 if [ -n "$EXTRAS" ]; then
-    "$PY" -m pip install --quiet -c "$constraints" -e ".[$EXTRAS]"
+    "$PY" -m pip install --quiet -e ".[$EXTRAS]"
 else
-    "$PY" -m pip install --quiet -c "$constraints" -e .
+    "$PY" -m pip install --quiet -e .
 fi
 "$PY" -c 'import torch, optimizer; print(f"torch {torch.__version__}; optimizer {optimizer.__version__} ready in '"$VENV"'")'

@@ -11,6 +11,11 @@ for p in (os.path.join(ROOT, "torch-ext"), ROOT, os.path.join(ROOT, "tests")):
 
 torch.set_num_threads(1)
 
+# Triton kernels (optimizer.kernels; tests/kernels) run on CPU tensors under Triton's interpreter,
+# which Triton chooses when it defines a kernel, its own library functions included: those are
+# defined when triton.language is first imported, and torch._dynamo below imports it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # DTensor imports torch._dynamo lazily, which costs seconds in every forked
 # rank; importing it once here, before ranks fork, makes them start fast.
 import torch._dynamo  # noqa: E402,F401

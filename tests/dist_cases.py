@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from optimizer import Muon, QKClipConfig
+from strided_layouts import full_of, make_dtensor
 
 HEAD_DIM = 4
 
@@ -35,9 +36,10 @@ def to_dtensor(global_tensor: torch.Tensor, mesh, placements) -> DTensor:
 
     (distribute_tensor refuses uneven _StridedShard splits in torch 2.13, and
     redistribute matches FSDP2's layout; see optimizer/distributed/placements.py.)
+    Where this torch release refuses to redistribute the placements (2.11: a _StridedShard
+    that encodes no shard order), the local blocks are cut by strided_layouts.cut_local.
     """
-    replicated = distribute_tensor(global_tensor, mesh, [Replicate()] * mesh.ndim)
-    return replicated.redistribute(mesh, placements)
+    return make_dtensor(global_tensor, mesh, placements)
 
 
 def make_case_tensors(specs, steps, seed=0):
@@ -83,7 +85,7 @@ def _state_of(opt, named):
     """Every parameter's optimizer state by name and key, full tensors (collective for DTensors)."""
     out = {}
     for n, p in named:
-        out[n] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        out[n] = {k: (full_of(v) if isinstance(v, DTensor) else v).detach().clone()
                   for k, v in opt.state.get(p, {}).items() if torch.is_tensor(v) and v.dim() > 0}
     return out
 
@@ -121,7 +123,7 @@ def run_distributed(rank, world_size, mesh_shape, specs, steps, qk, threshold=1.
         for (n, p), (_, _, pl) in zip(named, specs):
             p.grad = to_dtensor(grads[s][n], mesh, p.placements)
         opt.step(qk_logits=qk_logits_for(specs, s, threshold) if qk else None)
-    fulls = {n: p.full_tensor().detach() for n, p in named}
+    fulls = {n: full_of(p).detach() for n, p in named}
     out = [fulls]
     if with_stats:
         out.append(opt.last_step_stats)

@@ -31,13 +31,17 @@ def _with_grads(params):
 def test_groups_without_use_muon_are_split_by_shape_and_a_wrong_use_muon_is_named():
     """A plain list of tensors (torch.optim's call) or a group without ``use_muon``: matrices go to
     Muon, the rest to AdamW (issue 20; exactness against torch.optim.Muon is tested in
-    test_torch_optim_renewed.py).  A ``use_muon`` that is not a bool is still refused by name."""
+    test_torch_optim_renewed.py); an unnamed 3-D tensor is ambiguous (experts or a conv kernel):
+    AdamW, and named as experts, Muon (issue 30, tests/core/test_roles.py).  A ``use_muon`` that is
+    not a bool is still refused by name."""
     w, e = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(2, 4, 3))
     b = torch.nn.Parameter(torch.zeros(4))
     for params in ([w, b, e], [{"params": [w, b, e]}]):
         opt = Muon(params)
         assert [g["use_muon"] for g in opt.param_groups] == [True, False]
-        assert opt.param_groups[0]["params"] == [w, e] and opt.param_groups[1]["params"] == [b]
+        assert opt.param_groups[0]["params"] == [w] and opt.param_groups[1]["params"] == [b, e]
+    opt = Muon([("w", w), ("b", b), ("moe.experts", e)])
+    assert opt.param_groups[0]["param_names"] == ["w", "moe.experts"] and opt.param_groups[1]["param_names"] == ["b"]
     with pytest.raises(ValueError, match="`use_muon` must be True or False"):
         Muon([{"params": [w], "use_muon": 1}])
 

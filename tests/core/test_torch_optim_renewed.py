@@ -5,8 +5,13 @@ Part 1 ports PyTorch's ``TestOptimRenewed`` (``test/test_optim.py``; read at two
 the one whose tests special-case ``optim_cls.__name__ == "Muon"`` included) and runs it against
 ``optimizer.Muon`` the way torch runs it against ``torch.optim.Muon``: plain lists of parameters,
 torch's keywords, torch's own optimizer inputs (``optim_inputs_func_muon`` and
-``optim_error_inputs_func_muon`` from ``torch.testing._internal.common_optimizers``, imported
-lazily: importing it costs ~2 s and needs ``expecttest``) and torch's LR schedulers for Muon.
+``optim_error_inputs_func_muon`` from ``torch.testing._internal.common_optimizers``: importing it
+costs ~2 s and needs ``expecttest``) and torch's LR schedulers for Muon.  The inputs are the
+installed release's (issue 32, ``tests/torch_muon_inputs.py``): an input a new release adds is run,
+one ours cannot run is listed there with its reason and checked to be refused, and
+``test_port_runs_every_torch_input`` fails if one goes missing; ``python tests/torch_muon_inputs.py``
+reports what changed between releases.  torch 2.8 has no ``torch.optim.Muon``: the module is skipped
+there, saying so.
 Where torch's version drops the bias because ``torch.optim.Muon`` refuses 1-D parameters, the
 test runs both torch's Muon form and TestOptimRenewed's original ``[weight, bias]`` form
 (``with_bias``): ours sends the bias to AdamW.  Where torch only checks that something runs, the
@@ -70,24 +75,22 @@ from torch.optim import SGD
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+import torch_muon_inputs
 from harness import run_ranks
 from optimizer import Muon
+
+if not torch_muon_inputs.has_torch_muon():
+    pytest.skip(torch_muon_inputs.NO_TORCH_MUON, allow_module_level=True)
 
 # torch.optim.Muon compared like for like: its own iteration in fp32 (conftest.py)
 pytestmark = pytest.mark.usefixtures("torch_muon_in_fp32")
 
 ATOL = 1e-6  # ours vs torch.optim.Muon (fp32 both) after a few steps: float32 rounding
 
-# ``optim_inputs_func_muon``'s inputs, by their ``desc`` (checked against torch's list when used)
-INPUT_DESCS = (
-    "default",
-    "non-default lr",
-    "Tensor lr",
-    "non-default weight_decay",
-    "non-default momentum",
-    "passing alternative ns_steps",
-    "passing alternative ns_coefficients",
-)
+# ``optim_inputs_func_muon``'s inputs by their ``desc``, as the installed torch defines them, but for
+# those ours cannot run (``torch_muon_inputs.CANNOT_RUN``, each refused in test_inputs_we_cannot_run_are_refused);
+# test_port_runs_every_torch_input fails if an input goes missing between torch's list and this one.
+INPUT_DESCS = torch_muon_inputs.runnable_descs()
 by_input = pytest.mark.parametrize("desc", INPUT_DESCS, ids=lambda d: d.replace(" ", "_"))
 with_bias = pytest.mark.parametrize("with_bias", [False, True], ids=["muon_form", "with_bias"])
 
@@ -105,11 +108,7 @@ def muon_info():
 
 def torch_inputs():
     """torch's optim inputs for Muon, fresh (a Tensor lr is mutated in place by schedulers)."""
-    from torch.testing._internal.common_optimizers import optim_inputs_func_muon
-
-    inputs = optim_inputs_func_muon(device="cpu")
-    assert tuple(i.desc for i in inputs) == INPUT_DESCS, "torch's Muon inputs changed: update INPUT_DESCS"
-    return inputs
+    return torch_muon_inputs.torch_inputs()
 
 
 def kwargs_of(desc: str) -> dict:
@@ -200,26 +199,33 @@ ADAMW_STATE = {"step", "exp_avg", "exp_avg_sq"}
 # =============================================================================================
 
 
-def test_errors():
+def test_errors(caplog):
     """torch's error inputs for Muon: the same error type (and torch's message, or ours naming the
     culprit). Adapted: torch refuses a 3-D parameter ("Muon only supports 2D parameters"); ours
-    takes it as an expert stack [E, out, in], so that input must construct and step. torch raises
+    sends an unnamed 3-D tensor (an expert stack or a conv kernel: ambiguous) to AdamW with a
+    warning naming it (issue 30), so that input must construct and step. torch raises
     RuntimeError at step() for a complex parameter; ours refuses it at construction with a
     ValueError naming it (either is accepted: both refuse before anything changes)."""
     from torch.testing._internal.common_optimizers import OptimizerErrorEnum, optim_error_inputs_func_muon
 
     ours_instead = {
         "Tensor lr must be 1-element": r"`lr`.*one-element",
-        "only support `original` and `match_rms_adamw`": r"adjust_lr",
+        "only support `original` and `match_rms_adamw`": r"adjust_lr",  # torch < 2.15
+        "unsupported adjust_lr_fn": r"adjust_lr",  # torch 2.15
     }
     seen = set()
     for error_input in optim_error_inputs_func_muon(device="cpu", dtype=torch.float32):
         inp = error_input.optimizer_error_input
         seen.add(inp.desc)
-        if inp.desc == "only support 2D parameters":  # ours: a 3-D expert stack
-            opt = Muon(inp.params, **inp.kwargs)
+        if inp.desc == "only support 2D parameters":  # ours: ambiguous 3-D, AdamW and a warning
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="optimizer.muon"):
+                opt = Muon(inp.params, **inp.kwargs)
             opt.step()
-            assert set(opt.state[inp.params[0]]) == MUON_STATE
+            assert set(opt.state[inp.params[0]]) == ADAMW_STATE
+            shape = str(tuple(inp.params[0].shape))
+            assert [r for r in caplog.records if r.levelno == logging.WARNING and shape in r.getMessage()
+                    and "went to AdamW" in r.getMessage()]
             continue
         if inp.desc == "does not support complex parameters":
             with pytest.raises((ValueError, RuntimeError), match="complex"):
@@ -241,6 +247,36 @@ def test_errors():
                 opt.step()
     assert {"only support 2D parameters", "does not support complex parameters",
             "Tensor lr must be 1-element", "invalid param type"} <= seen
+
+
+def test_port_runs_every_torch_input():
+    """Every Muon input the installed torch defines is run by the parametrized tests below, or is
+    listed in ``CANNOT_RUN`` with its reason; nothing else is left out, and every listed one is
+    refused by ours (test_inputs_we_cannot_run_are_refused).  Fails if the port silently drops one
+    of torch's inputs (a filter, a hard-coded list that fell behind the release)."""
+    descs = tuple(i.desc for i in torch_inputs())  # torch's list, read afresh
+    assert descs, "torch defines no Muon inputs: the port would test nothing"
+    assert len(set(descs)) == len(descs), f"torch's descs are not unique: {descs}"
+    assert INPUT_DESCS == tuple(d for d in descs if d not in torch_muon_inputs.CANNOT_RUN)
+    assert set(INPUT_DESCS) | (set(descs) & set(torch_muon_inputs.CANNOT_RUN)) == set(descs)
+    assert all(entry.reason.strip() for entry in torch_muon_inputs.CANNOT_RUN.values())
+    assert tuple(by_input.args[1]) == INPUT_DESCS
+
+
+@pytest.mark.parametrize("desc", list(torch_muon_inputs.CANNOT_RUN), ids=lambda d: d.replace(" ", "_"))
+def test_inputs_we_cannot_run_are_refused(desc):
+    """An input listed as one ours cannot run is refused at construction with an error naming the
+    option, before anything changes (so the listing is true; supporting it one day fails this test,
+    and the input is then taken off the list and run).  Where the installed torch defines the input,
+    its keywords are torch's (and equal the list's)."""
+    entry = torch_muon_inputs.CANNOT_RUN[desc]
+    kwargs = {i.desc: i.kwargs for i in torch_inputs()}.get(desc, entry.kwargs)
+    assert kwargs == entry.kwargs, f"torch's keywords for {desc!r} changed: {kwargs}"
+    weight = Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)))
+    before = weight.detach().clone()
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        Muon([weight], **kwargs)
+    assert torch.equal(weight.detach(), before)
 
 
 @by_input
@@ -405,13 +441,13 @@ def test_step_is_noop_when_params_have_no_grad(desc):
     assert not any(p in optimizer.state for p in params)
 
 
-@pytest.mark.parametrize("desc", [d for d in INPUT_DESCS if d != "non-default weight_decay"],
+@pytest.mark.parametrize("desc", [d for d in INPUT_DESCS if "weight_decay" not in kwargs_of(d)],
                          ids=lambda d: d.replace(" ", "_"))
 @with_bias
 def test_step_is_noop_for_zero_grads(desc, with_bias):
     """torch's check (lr 1e-5, default tolerance), and sharper: a zero gradient moves a matrix by
     weight decay alone, ``p * (1 - lr * weight_decay)``, and by nothing without weight decay.
-    (torch leaves out the inputs that set weight_decay: "non-default weight_decay".)"""
+    (torch leaves out the inputs that set weight_decay, as this does.)"""
     kwargs = kwargs_of(desc)
     assert kwargs.get("weight_decay", 0) == 0
     kwargs["lr"] = torch.tensor(1e-5) if torch.is_tensor(kwargs.get("lr", 1e-5)) else 1e-5
@@ -981,14 +1017,18 @@ MIXED_FORMS = {
 
 @pytest.mark.parametrize("form", list(MIXED_FORMS))
 def test_non_matrices_go_to_adamw_as_with_explicit_groups(form):
-    """Each parameter goes to Muon if it is a matrix (2-D, or a 3-D expert stack) and to AdamW
-    otherwise; the result equals explicit ``use_muon`` groups (with torch's default
+    """Each parameter goes to Muon if it is a matrix (2-D, or a 3-D expert stack where its name
+    says so: ``named_parameters()``) and to AdamW otherwise (an unnamed 3-D tensor is ambiguous:
+    AdamW, issue 30); the result equals explicit ``use_muon`` groups (with torch's default
     ``adjust_lr="original"``, which torch-style input gets), and the 2-D weights equal
     torch.optim.Muon's."""
     model, explicit, ref = Mixed(), Mixed(), Mixed()
     opt = Muon(MIXED_FORMS[form](model), lr=0.02)
-    explicit_opt = Muon([{"params": explicit.matrices(), "use_muon": True, "adjust_lr": "original"},
-                         {"params": explicit.others(), "use_muon": False}], lr=0.02)
+    named = form == "named"
+    muon_of = (lambda m: m.matrices()) if named else (lambda m: [m.up.weight, m.down.weight])
+    adamw_of = (lambda m: m.others()) if named else (lambda m: [m.experts, *m.others()])
+    explicit_opt = Muon([{"params": muon_of(explicit), "use_muon": True, "adjust_lr": "original"},
+                         {"params": adamw_of(explicit), "use_muon": False}], lr=0.02)
     torch_opt = torch.optim.Muon([ref.up.weight, ref.down.weight], lr=0.02)
     for t in range(4):
         for m in (model, explicit, ref):
@@ -997,9 +1037,9 @@ def test_non_matrices_go_to_adamw_as_with_explicit_groups(form):
         opt.step()
         explicit_opt.step()
         torch_opt.step()
-    for p in model.matrices():
+    for p in muon_of(model):
         assert set(opt.state[p]) == MUON_STATE, tuple(p.shape)
-    for p in model.others():
+    for p in adamw_of(model):
         assert set(opt.state[p]) == ADAMW_STATE, tuple(p.shape)
     assert_params_close(list(model.parameters()), list(explicit.parameters()), what="vs explicit groups")
     assert_params_close([model.up.weight, model.down.weight], [ref.up.weight, ref.down.weight], what="vs torch")
@@ -1015,7 +1055,8 @@ def test_torch_style_input_recommends_default_groups_once(caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="optimizer.muon")  # whatever level earlier tests left it at
 
     def notes():
-        return [r for r in caplog.records if "get_default_muon_param_groups" in r.getMessage()]
+        return [r for r in caplog.records if "get_default_muon_param_groups" in r.getMessage()
+                and r.levelno == logging.INFO]  # not the warning about ambiguous 3-D tensors (test_roles.py)
 
     model = Mixed()
     Muon([{"params": model.matrices(), "use_muon": True}, {"params": model.others(), "use_muon": False}], lr=0.02)

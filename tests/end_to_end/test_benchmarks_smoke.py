@@ -242,3 +242,30 @@ def test_symmetric_gram_is_x_xt():
     for shape in ((37, 20), (3, 64, 9)):  # odd split sizes, several recursion levels, a batch
         X = torch.randn(shape, generator=g, dtype=torch.float64)
         torch.testing.assert_close(ns.symmetric_gram(X, min_block=4), X @ X.mT)
+
+
+def test_ns_restart_study_runs_and_judges_the_band(tmp_path):
+    """--restart-study on tiny matrices: every (dtype, table, steps, input) row, the package's plans,
+    and the verdicts that hold at any size: bf16's plan is the classic iteration (the same errors),
+    fp32 stays far inside the band, no restart is outside it in 16 bits."""
+    from optimizer.newton_schulz import gram_restart_plan
+
+    ns = _load("ns_efficiency")
+    result = ns.main(["--restart-study", "--study-shape", "8x24", "--study-seeds", "1", "--out", str(tmp_path),
+                      "--tag", "smoke"])
+    saved = json.loads((tmp_path / "ns_restarts_smoke.json").read_text())
+    assert len(saved["rows"]) == len(result["rows"]) == 2 * 2 * 3 * len(ns.STUDY_INPUTS)
+    md = (tmp_path / "ns_restarts_smoke.md").read_text()
+    assert "## Worst error / band" in md and "## Errors per input" in md
+    for r in saved["rows"]:
+        dtype = getattr(torch, r["dtype"])
+        assert tuple(r["plans"]["package plan"]) == gram_restart_plan(r["table"], r["ns_steps"], dtype)
+        assert r["band"] == max(r["band_of"].values()) > 0
+        err = r["max_sv_error"]
+        if r["dtype"] == "bfloat16":
+            assert err["package plan"] == err["classic"]
+        if r["dtype"] == "float32":
+            assert err["package plan"] < r["band"] / 4 and r["in_band"]["package plan"]
+    for s in saved["summary"]:
+        if s["dtype"] != "float32":
+            assert not s["in_band"]["no restart"]

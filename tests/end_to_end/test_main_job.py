@@ -210,14 +210,21 @@ def _forward_warnings(rank, world_size, config_path, with_targets):
     return [str(w.message) for w in caught]
 
 
+# FSDP2 warns about a root module returning a view from torch 2.13 on (torch/distributed/fsdp/
+# _fully_shard/_fsdp_state.py; 2.8, 2.11 and 2.12 have no such check, 2.13 and 2.15 have it).
+FSDP2_WARNS_ON_VIEWS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 @pytest.mark.parametrize("with_targets", [True, False], ids=["loss_inside", "logits_out"])
 def test_fsdp_over_tp_forward_warns_only_when_returning_logits(tiny_config, with_targets):
     messages = run_ranks(_forward_warnings, 4, tiny_config, with_targets, timeout=120)
     view_warnings = [m for per_rank in messages for m in per_rank if "returned a view tensor" in m]
     if with_targets:
         assert messages == [[]] * 4, messages
-    else:  # the control: the warning is real and this test would see it
+    elif FSDP2_WARNS_ON_VIEWS:  # the control: the warning is real and this test would see it
         assert len(view_warnings) == 4, messages
+    else:  # this torch's FSDP2 does not check views: no warning, and no other either
+        assert messages == [[]] * 4, messages
 
 
 def test_model_loss_is_cross_entropy_of_its_logits():

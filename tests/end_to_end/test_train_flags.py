@@ -33,7 +33,7 @@ from examples.train import (
 from harness import run_ranks
 from optimizer import zeropower_via_newtonschulz
 from optimizer.rule import adjust_lr
-from optimizer.param_groups import default_is_muon
+from optimizer.param_groups import get_default_muon_param_groups
 from optimizer.row_blocks import resolve_row_blocks
 from repo import REPO
 
@@ -93,11 +93,13 @@ def test_bf16_on_both_sides_agrees_and_a_fp32_reference_is_caught():
 def _muon_matrices(cfg):
     """(name, matrix shapes as Muon orthogonalises them) of a config's Muon parameters."""
     with torch.device("meta"):
-        named = list(Transformer(cfg.model).named_parameters())
+        model = Transformer(cfg.model)
+    named = list(model.named_parameters())
+    muon = {n for g in get_default_muon_param_groups(model) if g["use_muon"] for n in g["param_names"]}
     specs = muon_row_blocks(cfg, [n for n, _ in named]) if cfg.muon.row_blocks != "none" else {}
     out = {}
     for name, p in named:
-        if not default_is_muon(name, p):  # the embedding is excluded by its name
+        if name not in muon:  # the embedding and the head go to AdamW
             continue
         blocks = resolve_row_blocks(specs.get(name), name, p.shape)
         shapes = [tuple(p.shape)] if blocks is None else [(c.count, c.rows_per_block, p.shape[1])

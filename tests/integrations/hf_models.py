@@ -134,3 +134,70 @@ def lora_lm(seed=0):
     torch.manual_seed(seed + 1)
     return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"],
                                             task_type="CAUSAL_LM"))
+
+
+# ---------------------------------------------------------------- beyond language models (issue 30: roles)
+
+
+def vit_config(**kw):
+    from transformers import ViTConfig
+
+    base = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+                patch_size=4, num_channels=3, num_labels=5)
+    base.update(kw)
+    return ViTConfig(**base)
+
+
+def vit_cls(seed=0):
+    from transformers import ViTForImageClassification
+
+    return _seeded(lambda: ViTForImageClassification(vit_config()), seed)
+
+
+def vit_base(seed=0):
+    from transformers import ViTModel
+
+    return _seeded(lambda: ViTModel(vit_config()), seed)
+
+
+def clip(seed=0):
+    """A CLIP dual encoder: text and vision towers, their projections, logit_scale."""
+    from transformers import CLIPConfig, CLIPModel
+
+    cfg = CLIPConfig(text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, max_position_embeddings=16, pad_token_id=0,
+                                      bos_token_id=1, eos_token_id=2),
+                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, image_size=16, patch_size=4),
+                     projection_dim=24)
+    return _seeded(lambda: CLIPModel(cfg), seed)
+
+
+def whisper(seed=0):
+    """Whisper: a Conv1d stem (conv1, conv2) before the encoder, tied decoder embeddings and proj_out."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    cfg = WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, d_model=16, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                        max_source_positions=8, max_target_positions=8, decoder_start_token_id=1, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+    return _seeded(lambda: WhisperForConditionalGeneration(cfg), seed)
+
+
+def wav2vec2(seed=0):
+    """wav2vec2 for CTC: a Conv1d feature encoder and a weight-normed grouped positional conv."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    cfg = Wav2Vec2Config(vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                         num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, feat_extract_norm="group")
+    return _seeded(lambda: Wav2Vec2ForCTC(cfg), seed)
+
+
+def dac(seed=0):
+    """The Descript audio codec: convolutions and Snake activations with a learned alpha [1, C, 1]."""
+    from transformers import DacConfig, DacModel
+
+    cfg = DacConfig(encoder_hidden_size=4, downsampling_ratios=[2, 2], decoder_hidden_size=16, n_codebooks=2,
+                    codebook_size=16, codebook_dim=4, hidden_size=16)
+    return _seeded(lambda: DacModel(cfg), seed)

@@ -14,6 +14,11 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (CI installs it: scripts/install.sh)")
+import torch.distributed.fsdp  # noqa: E402
+
+if not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):  # torch < 2.13 (2.11 lacks it)
+    pytest.skip(f"torchtitan 0.3.0 imports torch.distributed.fsdp.DataParallelMeshDims, which torch {torch.__version__} "
+                "lacks: torchtitan does not support this release", allow_module_level=True)
 
 import titan_fixture  # noqa: E402  (imported once here so forked ranks do not import torchtitan again)
 from harness import run_ranks  # noqa: E402
@@ -613,6 +618,42 @@ def test_default_presets_fit_torchtitan_models(make):
     if make is titan_fixture.tiny_qwen3_moe:
         assert {n for n in params if "router.gate" in n} <= adamw
         assert any(params[n].ndim == 3 for n in set(params) - adamw)  # expert stacks go to Muon
+
+
+class _ConvPart(nn.Module):
+    """A custom model part torchtitan's presets do not know: a conv stem, a per-channel scale
+    ``[1, C, 1]`` and a hidden Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv1d(4, 8, 3)
+        self.gain = nn.Parameter(torch.ones(1, 8, 1))
+        self.mix = nn.Linear(8, 8, bias=False)
+
+
+def test_muon_patterns_cannot_claim_what_muon_cannot_read_as_a_matrix(caplog):
+    """The roles' rule in the torchtitan adapter (issue 30): a Muon pattern matching a convolution's
+    kernel (by its module) or a vector in disguise is refused at build time, naming each parameter
+    and what to do; matched first by an AdamW pattern, they build, and the table of where each
+    parameter went is logged at DEBUG level."""
+    import logging
+
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    message = _refusal(container_config, _ConvPart())
+    assert message is not None
+    assert "'stem.weight' of shape (8, 4, 3)" in message and "conv" in message
+    assert "'gain' of shape (1, 8, 1)" in message and "vector in disguise" in message
+    assert "'mix.weight'" not in message and "AdamW ParamGroupConfig placed before the Muon one" in message
+    groups = [ParamGroupConfig(pattern=r"^stem\.|^gain$", optimizer_name="AdamW"),
+              ParamGroupConfig(pattern=".*", optimizer_name="Muon")]
+    with caplog.at_level(logging.DEBUG, logger="optimizer.integrations.torchtitan"):
+        opts = container_config(param_groups=groups).build(model_parts=[_ConvPart()])
+    assert [(g["use_muon"], g["param_names"]) for g in opts.optimizers[0].param_groups] == [
+        (False, ["gain", "stem.weight", "stem.bias"]), (True, ["mix.weight"])]
+    tables = [r.getMessage() for r in caplog.records if "where each parameter went" in r.getMessage()]
+    assert len(tables) == 1 and "pattern '.*'; the role's rule: 2-D weight" in tables[0]
+    assert "stem.weight" in tables[0] and "module Conv1d" in tables[0]
 
 
 # Every per-group option a torchtitan param group may set, with a value other than its default.

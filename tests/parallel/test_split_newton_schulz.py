@@ -20,6 +20,8 @@ accuracy (measured here; bounds asserted below):
   element changes by one bf16 ulp, and lies 1-2e-2 from the fp32 result; the split's rms error
   against fp32 is 1.1-1.3x the unsplit's (median over cases; at most 1.9x, at 8 ranks).
   Asserted (2 and 4 ranks): max 5e-2, rms 8e-3, rms error against fp32 at most 2.5x the unsplit's.
+* fp16 (reads and returns bf16; partial Gram matrices from each block scaled by its own norm):
+  max |split - unsplit| one bf16 ulp (3.9e-3), rms 6.4e-4; asserted 1e-2 and 1.5e-3.
 """
 
 from __future__ import annotations
@@ -301,6 +303,36 @@ def test_groups_of_a_larger_world_split_different_matrices_at_once():
     assert max(run_ranks(_two_groups, 4, timeout=TIMEOUT)) <= FP32_TOL
 
 
+def _auto_form(rank, k):
+    """The replicated matrices one split run records (A and B per classic step; A and Q per Gram
+    segment), and its deviation from the unsplit call, for shapes whose blocks alone would pick
+    the other form (64 x 256 is the Gram form, its 64 x 128 blocks the classic one)."""
+    out = []
+    for shape, dtype in (((64, 256), torch.float32), ((256, 64), torch.float32), ((64, 256), torch.float16)):
+        G = make_matrix("randn", shape, seed=4)
+        Gt, _ = short_side_first(G)
+        widths = [s.stop - s.start for s in column_blocks(Gt.shape[-1], k)]
+        record: list = []
+        block = _split_ns(Gt[..., blocks_of(widths)[rank]].contiguous(), widths, None, 5, "fixed", 1e-7, dtype, None,
+                          "auto", "auto", None, record)
+        out.append((len(record), block.dtype))
+    return out
+
+
+def test_auto_takes_the_whole_matrixs_form_not_the_blocks():
+    """"auto" chooses on the whole matrix's shape, as the unsplit call does: the Gram form (fp32:
+    one 5-step segment, A and Q recorded; fp16: (2, 2, 1), 2 + 2 + 2), not the classic form its
+    blocks alone would get (10 matrices: A and B per step)."""
+    from optimizer.newton_schulz import choose_ns_method, gram_restart_plan
+
+    assert choose_ns_method((64, 128), 5, "auto", torch.float32) == "classic"
+    assert choose_ns_method((64, 256), 5, "auto", torch.float32) == "gram"
+    assert choose_ns_method((64, 128), 5, "auto", torch.float16) == "classic"
+    assert gram_restart_plan("fixed", 5, torch.float16) == (2, 2, 1)
+    for got in run_ranks(_auto_form, 2, timeout=TIMEOUT):
+        assert got == [(2, torch.float32), (2, torch.float32), (6, torch.bfloat16)]
+
+
 # ----------------------------------------------------------------------------- bf16
 
 
@@ -330,6 +362,39 @@ def test_split_bf16_is_as_close_as_bf16_rounding_allows(k):
         assert rms_dev <= 8e-3
         # the split's error against fp32 is the unsplit bf16 error's size (measured <= 1.9x)
         assert rms_split <= 2.5 * rms_unsplit, (rms_split, rms_unsplit)
+
+
+def _fp16_cases(rank, k):
+    """Per case: max |split - unsplit|, their sum of squares and element count, whether the split is
+    finite, and max |split of 2^20 G - split of G| (a power-of-two scale divides out exactly)."""
+    out = []
+    for name in ("wide", "tall", "batched"):
+        for coef in ("fixed", "polar_express"):
+            for method in ("gram", "classic"):
+                G = make_matrix("randn", SHAPES[name], seed=3)
+                widths = [s.stop - s.start for s in column_blocks(max(SHAPES[name][-2:]), k)]
+                split, ref = run_case(rank, k, G, widths, 5, coef, method, "auto", dtype=torch.float16)
+                big, _ = run_case(rank, k, G * 2.0**20, widths, 5, coef, method, "auto", dtype=torch.float16)
+                out.append(((split - ref).abs().max().item(), (split - ref).pow(2).sum().item(), split.numel(),
+                            bool(torch.isfinite(big).all()), (big - split).abs().max().item()))
+    return out
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_split_fp16_is_as_close_as_16bit_rounding_allows_and_keeps_fp32s_range(k):
+    """fp16 (the Gram form's dtype on CUDA by default) reads and returns bf16 like the unsplit
+    call; each member forms its partial Gram matrix from its block scaled by its own norm (entries
+    of 4e6 would overflow fp16's 65504 unscaled) and scales it back in fp32. Another rounding path
+    than the unsplit product, rounded to the same bf16 output: measured (2, 4 and 8 ranks) max
+    |split - unsplit| 3.9e-3 (one bf16 ulp at 0.5-1), rms 6.4e-4; asserted 1e-2 and 1.5e-3.
+    Scaling G by 2^20 changes nothing, bit for bit (casting the unscaled block to fp16 first, as
+    bf16 and fp32 do, gave inf)."""
+    per_rank = run_ranks(_fp16_cases, k, timeout=TIMEOUT)
+    for case in zip(*per_rank):
+        count = sum(c[2] for c in case)
+        assert max(c[0] for c in case) <= 1e-2
+        assert math.sqrt(sum(c[1] for c in case) / count) <= 1.5e-3
+        assert all(c[3] for c in case) and max(c[4] for c in case) == 0
 
 
 # ----------------------------------------------------------------------------- the tests can fail

@@ -8,7 +8,7 @@ from .attention_layouts import FusedQKV, MLAHeads
 from .max_logits import eager_max_logits, gather_max_logits
 from .muon import Muon
 from .newton_schulz import zeropower_via_newtonschulz
-from .param_groups import get_default_muon_param_groups
+from .param_groups import get_default_muon_param_groups, param_role_table
 from .qk_clip import QKClipConfig
 from .row_blocks import HeadBlocks, SplitQKV
 from .settings import MuonSettings
@@ -24,6 +24,7 @@ __all__ = [
     "eager_max_logits",
     "gather_max_logits",
     "get_default_muon_param_groups",
+    "param_role_table",
     "zeropower_via_newtonschulz",
 ]
 __version__ = "0.1.0"

@@ -34,6 +34,7 @@ from .checks import check_group_params
 from .parallel.stats import PipelineStats
 from .qk_clip import QKClipReport, log_report
 from .qk_clip.plan import build_qk_clip_plan
+from .roles import RoleRow, RoleTable, decide_torch_style
 from .row_blocks import ROW_BLOCKS_KEY, resolve_row_blocks, spec_for
 from .settings import MuonSettings
 from .step_context import Layouts, StepContext, context_key, create_process_groups, entries_of, qk_params, rank
@@ -82,8 +83,8 @@ class Muon(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``, with every option checked; a refused group leaves the
         optimizer as it was.  A group without ``use_muon`` (torch-style, as a plain list of tensors
-        becomes) is added as up to two groups: its matrices (2-D, and 3-D expert stacks) to Muon,
-        with torch.optim.Muon's defaults, the rest to AdamW."""
+        becomes) is added as up to two groups: its matrices to Muon, with torch.optim.Muon's defaults,
+        the rest to AdamW (``split_by_kind``: ``optimizer.roles.decide_torch_style``)."""
         if not isinstance(param_group, dict):
             raise TypeError(f"Muon.add_param_group: a param group must be a dict, got {type(param_group).__name__}")
         if "use_muon" not in param_group:
@@ -137,6 +138,26 @@ class Muon(Optimizer):
                     loss = closure()
             except Exception as err:  # noqa: BLE001 - re-raised after the ranks agree
                 closure_error = err
+        context, clip = self._begin_step(qk_logits, closure_error)
+        if context is None:
+            return loss
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                adamw_group_step_(group, self.state)
+        self._record_stats(muon_update(context, self.state, self.settings, clip))
+        return loss
+
+    # Everything in a step but the arithmetic runs eagerly, also under ``torch.compile(opt.step)``:
+    # it holds the agreement's collective and host read-back (graph breaks anyway), and it sets
+    # attributes on the optimizer, which dynamo mishandles after a graph break (in the resumed
+    # frame): torch 2.11 raises "Attempted setattr on a user-defined object that does not have an
+    # AttributeMutation mutation_type", torch 2.13 silently drops the write (``last_step_skipped``
+    # stayed False for a skipped step).  tests/core/test_compile.py checks both on each release.
+
+    @torch.compiler.disable
+    def _begin_step(self, qk_logits, closure_error):
+        """The ranks agree; then ``(context, QK-clip's step facts)``, or ``(None, None)`` when the
+        step is skipped.  Sets ``last_step_skipped`` and ``qk_clip_report``."""
         follow_momentum_schedule(self.param_groups)
         qk_logits = self._logits_for_step(qk_logits)
         context, facts, outcome = self._agree(qk_logits, closure_error)
@@ -148,15 +169,15 @@ class Muon(Optimizer):
             self.qk_clip_report = None
             logger.warning("Muon: skipped step: %d of %d ranks saw a non-finite Muon gradient (skip_nonfinite=True)",
                            outcome.counts["nonfinite_grads"], outcome.ranks)
-            return loss
+            return None, None
         self.qk_clip_report = facts.clip.report if facts.clip is not None else None
         if self.qk_clip_report is not None:
             log_report(self.qk_clip_report)
-        for group in self.param_groups:
-            if not group["use_muon"]:
-                adamw_group_step_(group, self.state)
-        self.last_step_stats = muon_update(context, self.state, self.settings, facts.clip)
-        return loss
+        return context, facts.clip
+
+    @torch.compiler.disable
+    def _record_stats(self, stats: PipelineStats) -> None:
+        self.last_step_stats = stats
 
     def _agree(self, qk_logits, closure_error):
         """This rank's view of the step, then the one all-reduce (see ``step_context.py``)."""
@@ -259,17 +280,15 @@ def follow_momentum_schedule(groups: list[dict]) -> None:
             group["betas"] = (float(group["momentum"]), *group["betas"][1:])
 
 
-def split_by_kind(group: dict) -> list[dict]:
-    """A torch-style group (no ``use_muon``) as a Muon group of its matrices (2-D, and 3-D expert
-    stacks) and an AdamW group of the rest, each with the options that apply to it: torch's
-    meaning of an option wins where ours differs (``eps`` and ``adjust_lr_fn`` are Newton–Schulz's,
-    so they go to the Muon group only)."""
-    params = group.get("params")
-    params = [params] if isinstance(params, torch.Tensor) else list(params if params is not None else [])
-    if len({isinstance(p, tuple) for p in params}) > 1:
-        raise ValueError("all optimizer params should be with/without names. Some param names are missing")
-    names = group.get("param_names")
-    named = [p if isinstance(p, tuple) else (None if names is None else names[i], p) for i, p in enumerate(params)]
+def split_by_kind(group: dict, log: bool = True) -> list[dict]:
+    """A torch-style group (no ``use_muon``) as a Muon group of its matrices and an AdamW group of
+    the rest, by ``optimizer.roles.decide_torch_style`` (2-D weights that are not vectors in
+    disguise, and 3-D tensors whose name says experts; a 3-D tensor nothing explains goes to AdamW,
+    with one warning naming it), each with the options that apply to it: torch's meaning of an
+    option wins where ours differs (``eps`` and ``adjust_lr_fn`` are Newton–Schulz's, so they go to
+    the Muon group only). The table of where each parameter went is logged at DEBUG level."""
+    named, names = _named_params(group)
+    decisions = [decide_torch_style(n, p.shape) if isinstance(p, torch.Tensor) else None for n, p in named]
     muon_only = {o.name for o in options.options_of(options.MUON)} - {o.name for o in options.GROUP_OPTIONS
                                                                      if o.kinds == options.BOTH}
     adamw_only = {o.name for o in options.options_of(options.ADAMW)} - {o.name for o in options.GROUP_OPTIONS
@@ -277,7 +296,8 @@ def split_by_kind(group: dict) -> list[dict]:
     rest = {k: v for k, v in group.items() if k not in ("params", "param_names")}
     parts = []
     for use_muon in (True, False):
-        mine = [(n, p) for n, p in named if isinstance(p, torch.Tensor) and (p.dim() in (2, 3)) == use_muon]
+        mine = [(n, p) for (n, p), d in zip(named, decisions)
+                if (d is not None and d.use_muon) == use_muon or (d is None and not use_muon)]
         if not mine and (parts or not use_muon):
             continue
         drop = adamw_only if use_muon else muon_only | {"eps", "adjust_lr_fn"}
@@ -286,14 +306,46 @@ def split_by_kind(group: dict) -> list[dict]:
         if names is not None:
             part["param_names"] = [n for n, _ in mine]
         parts.append({**part, "use_muon": use_muon})
+    if log:
+        _log_torch_style(named, decisions)
+    return parts
+
+
+def _named_params(group: dict) -> tuple[list[tuple[str | None, Any]], list[str] | None]:
+    """``[(name or None, param)]`` of a group given as tensors, ``(name, tensor)`` pairs or with
+    ``param_names``; and the ``param_names`` list, if any."""
+    params = group.get("params")
+    params = [params] if isinstance(params, torch.Tensor) else list(params if params is not None else [])
+    if len({isinstance(p, tuple) for p in params}) > 1:
+        raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+    names = group.get("param_names")
+    named = [p if isinstance(p, tuple) else (None if names is None else names[i], p) for i, p in enumerate(params)]
+    return named, names
+
+
+def _log_torch_style(named, decisions) -> None:
+    """The once-per-process note, the ambiguous 3-D tensors (a warning), the table (DEBUG)."""
     if not _SPLIT_LOGGED:
         _SPLIT_LOGGED.append(True)
         logger.info(
-            "Muon: parameters given without use_muon groups: matrices (2-D, 3-D expert stacks) go to Muon, the "
-            "rest to AdamW. optimizer.get_default_muon_param_groups(model) also sends embeddings, the output head "
-            "and MoE routers to AdamW, as Muon's authors recommend."
+            "Muon: parameters given without use_muon groups: matrices (2-D weights, and 3-D expert stacks named "
+            "so) go to Muon, the rest to AdamW (docs/param_roles.md). optimizer.get_default_muon_param_groups(model) "
+            "also sends embeddings, the output head and MoE routers to AdamW, as Muon's authors recommend."
         )
-    return parts
+    ambiguous = [f"{n or f'params[{i}]'} {tuple(p.shape)}" for i, ((n, p), d) in enumerate(zip(named, decisions))
+                 if d is not None and d.ambiguous]
+    if ambiguous:
+        logger.warning(
+            "Muon: %d 3-D parameter(s) given without use_muon groups went to AdamW: %s. A 3-D tensor is an "
+            "[E, out, in] expert stack or an [out, in, k] convolution kernel, and nothing here says which "
+            "(docs/param_roles.md). To send expert stacks to Muon, pass named_parameters() (a name with an "
+            "'expert' component is an expert stack), an explicit group {'params': [...], 'use_muon': True}, or "
+            "optimizer.get_default_muon_param_groups(model), which reads the modules.",
+            len(ambiguous), ", ".join(ambiguous))
+    if logger.isEnabledFor(logging.DEBUG):
+        rows = [RoleRow(n or f"params[{i}]", tuple(p.shape), 0 if d.use_muon else 1, "muon" if d.use_muon else "adamw",
+                        d.role, d.rule) for i, ((n, p), d) in enumerate(zip(named, decisions)) if d is not None]
+        logger.debug("Muon: where each torch-style parameter went (group 0: Muon, 1: AdamW)\n%s", RoleTable(rows))
 
 
 _SPLIT_LOGGED: list[bool] = []  # the note above is logged once per process

@@ -14,9 +14,16 @@ Two ways to run the same iteration (``method``):
   ``X_K = Q_K X_0``. Fewer FLOPs once n > 1.5 m (see :func:`newton_schulz_flops`). In finite
   precision the m x m recursion drifts, so it restarts (re-forms A from X) on a schedule that
   depends on the coefficients and the compute dtype (:func:`gram_restart_plan`).
-* ``"auto"`` (default) picks whichever does fewer FLOPs for the shape and compute dtype
-  (:func:`choose_ns_method`): the Gram form for rectangular matrices in fp32, the classic one in
-  bf16, where accurate Gram segments are one step long.
+* ``"auto"`` (default) picks the form with fewer FLOPs among those accurate enough, per shape,
+  coefficient table and compute dtype (:func:`choose_ns_form`): the Gram form for rectangular
+  matrices in fp32; in 16 bits the Gram form in fp16 (its restart plan keeps it within the
+  classic 16-bit iteration's error) and never in bf16, where no Gram segment stays within it.
+
+Which dtype runs: the compute dtype when one is set; with ``compute_dtype=None`` fp32 on CPU and,
+on CUDA, 16 bits: bf16 for the classic form (as every Muon), fp16 for the Gram form (the same
+16-bit cost, eight times finer rounding, which the Gram recursion needs). An fp16 iteration reads
+and returns bf16 when its input is wider (:func:`ns_io_dtype`: what parallel Muon's wire carries,
+fp32's range); docs/newton_schulz.md has the policy, the restart rule, the band and fp16's range.
 
 Everything here is a pure function of its inputs: no process groups, no optimizer state. The
 distributed code gathers a full matrix (or a batch of them) and calls this.
@@ -129,9 +136,46 @@ def check_ns_method(method) -> str:
 def default_compute_dtype(device: torch.device | str) -> torch.dtype:
     """bf16 where tensor cores make it fast (CUDA); fp32 elsewhere.
 
-    On CPU a bf16 matmul is roughly 100x slower than fp32, and fp32 is more accurate anyway.
+    On CPU a bf16 matmul is roughly 100x slower than fp32, and fp32 is more accurate anyway. It is
+    the classic form's dtype when ``compute_dtype`` is None; the Gram form runs in fp16 there
+    (:func:`ns_form_dtypes`). Parallel Muon's pieces travel in it (when narrower than the parameter).
     """
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+# ------------------------------------------------------------------ which dtype runs
+
+
+def ns_form_dtypes(compute_dtype: torch.dtype | None, device: torch.device | str | None = None) -> dict[str, torch.dtype]:
+    """The dtype each form runs in: ``compute_dtype`` for both when it is set (a dtype the user
+    chose is never changed); with None, :func:`default_compute_dtype` of ``device`` (None: CPU)
+    for the classic form and, where that is 16-bit (CUDA), fp16 for the Gram form.
+
+    Why fp16 for the Gram form: the same 16-bit matmul rate, and 8x finer rounding (unit roundoff
+    2^-11 against bf16's 2^-8), which the Gram recursion needs to stay within the classic 16-bit
+    iteration's error (``_GRAM_STEP_ERROR_LIMIT``); in bf16 it never does. fp16's narrow range is
+    safe here: see the comment on ``_RANGE_HEADROOM``. Pure: the same answer on every rank.
+    """
+    if compute_dtype is not None:
+        return {"classic": compute_dtype, "gram": compute_dtype}
+    classic = default_compute_dtype(device if device is not None else "cpu")
+    return {"classic": classic, "gram": torch.float16 if classic.itemsize == 2 else classic}
+
+
+def ns_io_dtype(input_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """What Newton–Schulz rounds its input to before normalising it, and the dtype it returns: the
+    compute dtype, except that an fp16 iteration reads and returns bf16 when its input is wider
+    than 16 bits (a 16-bit input stays as it is).
+
+    That is also what parallel Muon's pieces travel as (``step_context.wire_dtype``), so the owner
+    of a matrix and a single device see the same numbers: a momentum entry above fp16's 65504 or
+    below its 6e-8 survives the wire in bf16 (fp32's range), and normalisation then brings every
+    entry into [-1, 1] before anything is rounded to fp16. The result, whose singular values are
+    about 1, goes back in bf16 like the classic bf16 iteration's.
+    """
+    if compute_dtype != torch.float16:
+        return compute_dtype
+    return input_dtype if input_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 # ------------------------------------------------------------------ Gram-space restarts
@@ -150,21 +194,80 @@ def default_compute_dtype(device: torch.device | str) -> torch.dtype:
 # re-forms A from X every step, and an odd polynomial cannot flip a singular value's sign. The
 # cure is to restart part-way: X <- Q X, A <- X X^T, which resets the drift to -u.
 #
-# Dao et al. place restarts by simulating a negatively perturbed eigenvalue through the table and
-# minimising the condition number of Q (autotuned: after step 2 of 5-step Polar Express in fp16,
-# which Microsoft's dion and others hard-code). We make it a rule evaluated per (coefficients,
-# dtype), aimed at accuracy rather than only at avoiding blow-up: follow r_0 = -u through
-# r <- r q(r)^2 and restart before a step whose factor would be off by more than this fraction,
-# (|b| |r| + |c| r^2) / |a|. With 1%, fp32 runs 5 steps in one segment (the 5th is 0.2% off
-# with the fixed table, 0.8% with Polar Express) and 10 in two of 5 (a 6th would be 2% off;
-# measured, 6+4 steps left singular values of ill-conditioned inputs up to 0.16 off the fp64
-# iteration, 5+5 at most 4e-3, 1.3e-2 at condition number 1e6: tests/rule/test_newton_schulz_gram.py,
-# benchmarks/ns_efficiency.py --restart-study). In bf16 the second step would already be 6.4%
-# off, so every segment is one step (up to Polar Express's converged steps past the 5th), which
-# is the classic iteration: the Gram form has no accurate FLOP saving in bf16. (There 2-step
-# segments do not blow up but were measured 1.5-3.5x less accurate than the classic form; one
-# restart after step 2 or 3, as in fp16 practice, blew up on rank-deficient and power-law inputs.)
+# Dao et al. place restarts by simulating a negatively perturbed eigenvalue (-4e-4, about fp16's
+# u) through the table for singular values from 1 down to 1e-10 and taking the placement with the
+# smallest largest |Q| (autotuned: after step 2 of 5-step Polar Express in fp16, which Microsoft's
+# dion and others hard-code). That guards against blow-up, not against error. Our rule, evaluated
+# per (coefficients, dtype) in ``_restart_plan``, aims at accuracy; a segment ends before a step
+#
+# 1. whose factor the drift would put more than this fraction off: follow r_0 = -u through
+#    r <- r q(r)^2 and compare (|b| |r| + |c| r^2) / |a| with the limit;
+# 2. in a dtype no finer than bf16 (every step: one-step segments, the classic iteration);
+# 3. in fp16, where the iteration has stalled (``_stalled_steps``: the fixed table from its 6th
+#    step, where its iterates cycle and rounding is amplified instead of corrected);
+# 4. that would take Q's largest eigenvalue past the dtype's max / _RANGE_HEADROOM.
+#
+# What it must achieve is measured by benchmarks/ns_efficiency.py --restart-study against the
+# fp64 iteration, on Gaussian, rank-1, rank-s/8, condition number 1e4 and 1e6, and power-law
+# inputs, at 128 x 512 (6 seeds) and 256 x 1024 (4 seeds); docs/newton_schulz.md has the tables:
+#
+# * fp32 (and fp64): 5 steps in one segment (the 5th is 0.2% off with the fixed table, 0.8% with
+#   Polar Express), 10 in two of 5 (a 6th would be 2% off; 6+4 steps left singular values of
+#   ill-conditioned inputs up to 0.16 off the fp64 iteration, 5+5 at most 4e-3, 1.3e-2 at
+#   condition number 1e6: tests/rule/test_newton_schulz_gram.py). Not held to the 16-bit band
+#   (at most 0.21x it), so rules 2 and 3 do not apply.
+# * fp16: (2, 2, 1) for the fixed table and (1, 2, 2) for Polar Express at 5 steps (at most 0.82x
+#   and 0.71x the band), (2, 2, 1, 1, 1, 1, 1, 1) and (1, 2, 2, 3, 2) at 10 (0.88x, and 1.00x /
+#   0.96x: ties with the classic fp16 iteration, itself 1.00x / 0.96x). Longer plans are not:
+#   with a 10% limit, which lands on Dao et al.'s (2, 3) for Polar Express, that plan is 1.4x
+#   (128 x 512) to 4.3x (256 x 1024) the band on power-law spectra; the fixed table's (3, 2) is
+#   0.86-0.98x, too close to call; without rule 3 the fixed table's 10 steps would be
+#   (2, 2, 2, 2, 2), 1.16x on power-law spectra at 256 x 1024 (3 and 8 seeds).
+# * bf16: one step per segment, for every table and step count. The band is the classic 16-bit
+#   iteration's own error, bf16's included, and a Gram segment does everything a classic step
+#   does plus its drift: in bf16 it has no headroom. Measured: every placement with a 2-step
+#   segment in 5 steps (128 x 512, 4 seeds) is 3.8x (the best, fixed (1, 2, 2)) to 1e15x the band;
+#   at 10 steps even a single 2-step segment at the end is 1.01x (Polar Express) to 1.19x (fixed).
+#
+# The band: on each study input, the largest singular-value error (against the fp64 iteration) of
+# the classic iteration in bf16 or in fp16, whichever is larger, max over seeds; a form is within
+# it when its own error is at most 1.0x that, or when both are "saturated" (>= 0.5: noise directions
+# of a rank-deficient input lifted into the polynomials' attracting interval, which no 16-bit form
+# resolves; there the error is the position within that interval, not an accuracy) and its error
+# is no more than what the polynomials can output.
 _GRAM_STEP_ERROR_LIMIT = 0.01
+
+# Rounding no finer than this leaves a Gram segment no headroom below the band: one-step segments.
+_BAND_UNIT_ROUNDOFF = torch.finfo(torch.bfloat16).eps / 2
+# Dtypes at least this coarse (fp16) are held to the 16-bit band, where rounding that a stalled
+# iteration keeps amplifying reaches it: no Gram segment across a stalled step (``_stalled_steps``).
+_SIXTEEN_BIT_UNIT_ROUNDOFF = torch.finfo(torch.float16).eps / 2
+
+# fp16's range (max 65504; normal down to 2^-14 = 6.1e-5, subnormal steps of 2^-24 below that).
+# Why nothing overflows. X is G / (||G||_F * norm_safety), divided in fp32 (or wider) and rounded
+# once (``_normalised``; the input first rounded to bf16, fp32's range: ``ns_io_dtype``), so
+# every singular value, hence every entry, is <= 1. Every other matrix the iteration stores is a
+# polynomial in one symmetric matrix applied to singular values in [0, 1]: an entry of a symmetric
+# matrix is at most its largest |eigenvalue|, and those are scalar functions of each singular value
+# (A: s^2; B: b s^2 + c s^4; Q: the product of a segment's q(r_j); A q(A); the next X: p(s)).
+# :func:`ns_value_bound` evaluates them all on [0, 1] and at the drifted eigenvalue -u: for the
+# tables here and their fp16 plans the largest is 12.0 (fixed: Q of a 2-step segment, 3.44^2;
+# X <= 1.21, A <= 1.45, B <= 2.81) and 16.1 (Polar Express: Q; X <= 1.99, A <= 3.97, B <= 7.96), 4,000x
+# below 65504. Products are accumulated in fp32 and rounded once (cuBLAS, and the CPU's kernels),
+# so no partial sum is stored in fp16. The rule also ends a segment before its Q, which grows
+# like the product of the a's, could pass 65504 / _RANGE_HEADROOM, and ``"auto"`` runs the fp16
+# Gram form of its own accord (compute_dtype None) only for tables whose bound is below that.
+# Why underflow is harmless. A stored entry below 2^-14 keeps an absolute error of at most 2^-25
+# (instead of a relative 2^-11). For X (Frobenius norm 1/norm_safety) that adds at most
+# 2^-25 sqrt(m n) to the Frobenius norm of its rounding error, against bf16's 2^-8: less for
+# any matrix under 1.3e10 entries, so an fp16 X is never rounded worse than a bf16 one. For A
+# (entries of a flat spectrum are about 1 / (m sqrt(n))) the floor only perturbs q(A) by
+# about (|b| + 2|c|) 2^-25 * 2 sqrt(m) (random signs): 3e-4 at m = 8192 for Polar Express's
+# first step, under bf16's X rounding (2^-8); measured on flat and outlier spectra in
+# tests/rule/test_newton_schulz_gram.py. Inputs whose normalised entries all lie below 2^-14
+# (||G|| far below ``eps``, where the output is about prod(a) * G / eps, tiny) lose relative
+# accuracy but keep that absolute error bound; a zero matrix gives zeros.
+_RANGE_HEADROOM = 2.0**8
 
 
 def gram_restart_plan(
@@ -174,11 +277,12 @@ def gram_restart_plan(
 
     Each segment forms ``A = X X^T`` from the current X, runs its steps on m x m matrices and
     ends with ``X <- Q X``; a segment of one step is exactly a classic step. ``dtype`` is the
-    compute dtype (None: float32). See ``_GRAM_STEP_ERROR_LIMIT`` for the rule; with the tables
-    here: fp32 5 steps -> (5,), 10 -> (5, 5); bf16 up to 5 steps -> all ones.
+    dtype the Gram form runs in (None: float32). See ``_GRAM_STEP_ERROR_LIMIT`` for the rule; with
+    the tables here: fp32 5 steps -> (5,), 10 -> (5, 5); fp16 5 steps -> (2, 2, 1) (fixed) and
+    (1, 2, 2) (Polar Express); bf16 -> all ones (the classic iteration).
     """
     steps = tuple(resolve_ns_coefficients(coefficients, ns_steps))
-    return _restart_plan(steps, torch.finfo(dtype or torch.float32).eps / 2)
+    return _restart_plan(steps, dtype or torch.float32)
 
 
 def _drift_error(r: float, a: float, b: float, c: float) -> float:
@@ -187,17 +291,89 @@ def _drift_error(r: float, a: float, b: float, c: float) -> float:
 
 
 @lru_cache(maxsize=512)
-def _restart_plan(steps: tuple[Coefficients, ...], unit_roundoff: float) -> tuple[int, ...]:
+def _restart_plan(steps: tuple[Coefficients, ...], dtype: torch.dtype) -> tuple[int, ...]:
+    info = torch.finfo(dtype)
+    unit_roundoff = info.eps / 2
+    if unit_roundoff >= _BAND_UNIT_ROUNDOFF:
+        return (1,) * len(steps)
+    stalled = _stalled_steps(steps) if unit_roundoff >= _SIXTEEN_BIT_UNIT_ROUNDOFF else (False,) * len(steps)
+    gain_limit = info.max / _RANGE_HEADROOM
     lengths: list[int] = []
-    r = math.nan
-    for a, b, c in steps:
+    r = gain = math.nan
+    for (a, b, c), stall in zip(steps, stalled):
         # not <=: restarts on the first step (r is nan) and on an overflowed r
-        if not lengths or not _drift_error(r, a, b, c) <= _GRAM_STEP_ERROR_LIMIT:
+        if (not lengths or stall or not _drift_error(r, a, b, c) <= _GRAM_STEP_ERROR_LIMIT
+                or not gain * abs(a + b * r + c * r * r) <= gain_limit):
             lengths.append(0)
-            r = -unit_roundoff
+            r, gain = -unit_roundoff, 1.0
         lengths[-1] += 1
-        r = r * (a + b * r + c * r * r) ** 2
+        q = a + b * r + c * r * r
+        r, gain = r * q * q, gain * abs(q)  # the drifted eigenvalue, and Q's largest eigenvalue there
     return tuple(lengths)
+
+
+@lru_cache(maxsize=512)
+def _stalled_steps(steps: tuple[Coefficients, ...]) -> tuple[bool, ...]:
+    """Per step: whether the iteration has stalled there, neither lifting nor converging. The
+    iterates of singular values in [2^-8, 1] (those the 16-bit band resolves; fp64, 20001 points,
+    log-spaced) occupy an interval [lo, hi] after each step; a step stalls when lo does not rise
+    and the width is not at least halved. The fixed table stalls from its 6th step, cycling in
+    [0.68, 1.13] (its fixed point 0.87 repels, |p'| = 1.58); Polar Express never does."""
+    x = torch.logspace(-8 * math.log10(2), 0, 20001, dtype=torch.float64)
+    lo, width = float(x.min()), float(x.max() - x.min())
+    out = []
+    for a, b, c in steps:
+        x = a * x + b * x**3 + c * x**5
+        new_lo, new_width = float(x.abs().min()), float(x.abs().max() - x.abs().min())
+        out.append(bool(not new_lo > lo * (1 + 2.0**-8) and not new_width <= width / 2))
+        lo, width = new_lo, new_width
+    return tuple(out)
+
+
+def ns_value_bound(coefficients: CoefficientSpec, ns_steps: int, plan: Sequence[int] | None = None,
+                   dtype: torch.dtype = torch.float16) -> float:
+    """The largest |entry| any matrix of the iteration can hold, for inputs normalised to singular
+    values in [0, 1]: X, A = X X^T, B = b A + c A^2 and, within Gram segments of ``plan`` (None:
+    the classic iteration), Q and A q(A), with the segment's eigenvalues also drifted by -u ||A||
+    (u of ``dtype``). Each is a symmetric matrix (or X, whose entries are at most its largest
+    singular value) whose eigenvalues are a scalar function of each singular value s, evaluated here
+    on 4097 points of [0, 1] in fp64. See the comment on ``_RANGE_HEADROOM``."""
+    steps = tuple(resolve_ns_coefficients(coefficients, ns_steps))
+    plan = tuple(plan) if plan is not None else (1,) * ns_steps
+    if sum(plan) != ns_steps or min(plan) < 1:
+        raise ValueError(f"ns_value_bound: plan {plan} must be positive lengths summing to ns_steps={ns_steps}")
+    return _value_bound(steps, plan, torch.finfo(dtype).eps / 2)
+
+
+@lru_cache(maxsize=512)
+def _value_bound(steps: tuple[Coefficients, ...], plan: tuple[int, ...], unit_roundoff: float) -> float:
+    s = torch.linspace(0.0, 1.0, 4097, dtype=torch.float64)
+    worst = 1.0
+    first = 0
+    for length in plan:
+        segment, first = steps[first: first + length], first + length
+        top = float((s * s).max())
+        new_s = None
+        for shift in (0.0, -unit_roundoff * max(top, 1.0)):  # the true eigenvalues, and drifted ones
+            r, Q = s * s + shift, None
+            for j, (a, b, c) in enumerate(segment):
+                B = b * r + c * r * r
+                Q = a + B if Q is None else Q * (a + B)
+                worst = max(worst, float(r.abs().max()), float(B.abs().max()), float(Q.abs().max()))
+                if j + 1 < length:
+                    AQ = r * (a + B)
+                    r = (a + B) * AQ
+                    worst = max(worst, float(AQ.abs().max()))
+            if shift == 0.0:
+                new_s = Q * s
+        s = new_s
+        worst = max(worst, float(s.abs().max()))
+    return worst if math.isfinite(worst) else math.inf
+
+
+def _fits_fp16(steps: Sequence[Coefficients], plan: Sequence[int]) -> bool:
+    return _value_bound(tuple(steps), tuple(plan), torch.finfo(torch.float16).eps / 2) \
+        <= torch.finfo(torch.float16).max / _RANGE_HEADROOM
 
 
 # ------------------------------------------------------------------ FLOPs and the choice
@@ -209,6 +385,9 @@ def newton_schulz_flops(
     method: str = "classic",
     dtype: torch.dtype | None = None,
     coefficients: CoefficientSpec = "fixed",
+    device: torch.device | str | None = None,
+    *,
+    symmetric: bool = False,
 ) -> int:
     """Floating-point operations (2 per multiply-add) of the NS matmuls for ``shape``.
 
@@ -216,15 +395,20 @@ def newton_schulz_flops(
 
     * classic: per step ``X X^T`` (s*s*l), ``A @ A`` (s^3) and ``B @ X`` (s*s*l) multiply-adds.
     * gram: per segment of L steps (:func:`gram_restart_plan`, which depends on the
-      coefficients and ``dtype``) ``X X^T`` and ``Q @ X`` (s*s*l each) plus ``4 L - 3`` products
-      of s x s matrices (``A @ A`` every step, ``Q q(A)`` every step but the first, ``A q(A)`` and
-      ``q(A) (A q(A))`` every step but the last).
+      coefficients and the dtype the Gram form runs in: :func:`choose_ns_form` of ``dtype``, the
+      compute dtype, and ``device``; None, None: float32) ``X X^T`` and ``Q @ X`` (s*s*l each)
+      plus ``4 L - 3`` products of s x s matrices (``A @ A`` every step, ``Q q(A)`` every step but
+      the first, ``A q(A)`` and ``q(A) (A q(A))`` every step but the last).
 
     Per segment of L >= 2 steps the gram form saves ``2 (L - 1) s^2 (2 l - 3 s)`` FLOPs: fewer
-    exactly when ``l > 1.5 s``, whatever the plan. ``method="auto"`` counts the form
-    :func:`choose_ns_method` picks. Elementwise work and the normalisation are ignored (lower
-    order). Nominal counts: the CPU's symmetric-block shortcut does less. Used to balance owners
-    across ranks.
+    exactly when ``l > 1.5 s``, whatever the plan. ``symmetric=True`` counts the products known to
+    be symmetric (``X X^T``; ``A @ A``; every s x s product of the Gram form, all polynomials in
+    one symmetric matrix) as one triangle, ``s (s + 1) k`` FLOPs for an s x k by k x s product: what
+    symmetric kernels do. Then a segment saves ``3 (L - 1) s^2 (l - s)`` (up to the diagonals'
+    terms): fewer FLOPs for every rectangular shape. ``method="auto"`` counts the form
+    :func:`choose_ns_form` picks (with the same ``symmetric``). Elementwise work and the
+    normalisation are ignored (lower order). Nominal counts by default: the CPU's symmetric-block
+    shortcut does fewer. Used to balance owners across ranks.
     """
     shape = tuple(int(d) for d in shape)
     if len(shape) < 2:
@@ -235,13 +419,62 @@ def newton_schulz_flops(
     if ns_steps == 0:
         return 0
     if method == "auto":
-        method = choose_ns_method(shape, ns_steps, "auto", dtype, coefficients)
+        method = choose_ns_form(shape, ns_steps, "auto", dtype, coefficients, device, symmetric=symmetric)[0]
     batch = math.prod(shape[:-2])
     s, l = min(shape[-2:]), max(shape[-2:])
+    gram_xxt = s * (s + 1) * l if symmetric else 2 * s * s * l  # X X^T
+    square = s * (s + 1) * s if symmetric else 2 * s**3  # a product of two s x s matrices
+    left = 2 * s * s * l  # B X or Q X: not symmetric
+
+    def segment(length: int) -> int:  # a segment of one step is a classic step
+        return gram_xxt + left + (4 * length - 3) * square
+
     if method == "classic":
-        return 2 * ns_steps * batch * (2 * s * s * l + s**3)
-    segments = len(gram_restart_plan(coefficients, ns_steps, dtype))
-    return 2 * batch * (2 * segments * s * s * l + (4 * ns_steps - 3 * segments) * s**3)
+        return batch * ns_steps * segment(1)
+    gram_dtype = choose_ns_form(shape, ns_steps, "gram", dtype, coefficients, device)[1]
+    plan = gram_restart_plan(coefficients, ns_steps, gram_dtype)
+    return batch * sum(segment(length) for length in plan)
+
+
+def choose_ns_form(
+    shape: Sequence[int],
+    ns_steps: int,
+    method: str = "auto",
+    compute_dtype: torch.dtype | None = None,
+    coefficients: CoefficientSpec = "fixed",
+    device: torch.device | str | None = None,
+    *,
+    symmetric: bool = False,
+) -> tuple[str, torch.dtype]:
+    """The form (``"classic"`` or ``"gram"``) and the dtype it runs in, for ``shape`` (batch
+    included), the user's ``compute_dtype`` (None: the device's defaults, :func:`ns_form_dtypes`;
+    ``device`` None: CPU) and the coefficient table.
+
+    ``method`` itself unless it is ``"auto"``, which picks the Gram form when it saves at least
+    :data:`GRAM_MIN_SAVED_FLOPS` FLOPs (:func:`newton_schulz_flops`, ``symmetric`` as there):
+    that holds exactly when ``max(m, n) > 1.5 min(m, n)`` (any rectangular shape with
+    ``symmetric``) and its restart plan (:func:`gram_restart_plan`) has a segment of two or more
+    steps, i.e. in fp32, fp64 and fp16, never in bf16, where no Gram segment stays within the
+    classic 16-bit iteration's error (``_GRAM_STEP_ERROR_LIMIT``). With compute_dtype None on CUDA
+    the candidates are the classic form in bf16 and the Gram form in fp16 (same 16-bit rate); fp16
+    only for tables whose values fit it with room to spare (:func:`ns_value_bound`; else the Gram
+    form, forced or chosen, runs in bf16). A small matrix saves too few FLOPs to pay for the Gram
+    form's extra, smaller products (measured on CPU: 1.1-1.5x slower at 4 x 64 to 64 x 128).
+    Pure (a table's scalar checks are evaluated once on the CPU and cached): the same answer on
+    every rank.
+    """
+    check_ns_method(method)
+    dtypes = ns_form_dtypes(compute_dtype, device)
+    if compute_dtype is None and dtypes["gram"] == torch.float16:
+        steps = resolve_ns_coefficients(coefficients, ns_steps)
+        if not _fits_fp16(steps, gram_restart_plan(steps, ns_steps, torch.float16)):
+            dtypes["gram"] = dtypes["classic"]  # not our choice to make when it may overflow
+    if method != "auto":
+        return method, dtypes[method]
+    classic = newton_schulz_flops(shape, ns_steps, "classic", symmetric=symmetric)
+    gram = newton_schulz_flops(shape, ns_steps, "gram", dtypes["gram"], coefficients, symmetric=symmetric)
+    form = "gram" if classic - gram >= GRAM_MIN_SAVED_FLOPS else "classic"
+    return form, dtypes[form]
 
 
 def choose_ns_method(
@@ -250,25 +483,13 @@ def choose_ns_method(
     method: str = "auto",
     dtype: torch.dtype | None = None,
     coefficients: CoefficientSpec = "fixed",
+    device: torch.device | str | None = None,
+    *,
+    symmetric: bool = False,
 ) -> str:
-    """``"classic"`` or ``"gram"``: ``method`` itself unless it is ``"auto"``, which picks the
-    Gram form when it saves at least :data:`GRAM_MIN_SAVED_FLOPS` FLOPs (:func:`newton_schulz_flops`)
-    for this shape (batch included), compute ``dtype`` (None: float32) and coefficient table.
-
-    The Gram form saves FLOPs exactly when ``max(m, n) > 1.5 min(m, n)`` and its restart plan
-    (:func:`gram_restart_plan`, where the dtype and coefficients enter) has a segment of two or
-    more steps. That holds in fp32 and fp64; in bf16 the plan is one step per segment (the classic
-    iteration, for accuracy; up to 5 steps, and for the fixed table always), so "auto" is classic
-    there. A small matrix saves too few FLOPs to pay for the Gram form's extra, smaller
-    products (measured on CPU: 1.1-1.5x slower at 4 x 64 to 64 x 128). Pure: no tensors, the same
-    answer on every rank.
-    """
-    check_ns_method(method)
-    if method != "auto":
-        return method
-    classic = newton_schulz_flops(shape, ns_steps, "classic")
-    gram = newton_schulz_flops(shape, ns_steps, "gram", dtype, coefficients)
-    return "gram" if classic - gram >= GRAM_MIN_SAVED_FLOPS else "classic"
+    """``"classic"`` or ``"gram"``: the form of :func:`choose_ns_form` (``dtype`` is its
+    ``compute_dtype``; None with ``device`` None: float32)."""
+    return choose_ns_form(shape, ns_steps, method, dtype, coefficients, device, symmetric=symmetric)[0]
 
 
 # FLOPs the Gram form must save before "auto" takes it: its extra kernels cost ~100 µs on a CPU
@@ -292,13 +513,15 @@ def zeropower_via_newtonschulz(
     """Approximately orthogonalise every matrix in ``G`` (shape ``[..., m, n]``).
 
     Leading dims are a batch of independent matrices (a 3-D MoE weight ``[E, out, in]`` is E
-    matrices done in one batched call). G is cast to the compute dtype and each matrix divided
-    by its own Frobenius norm in fp32 (times ``norm_safety``; default: what the named table
-    needs, else 1), rounding once to the compute dtype; tall matrices are transposed
-    so the Gram matrix ``X X^T`` is the small one. ``method`` is ``"classic"``, ``"gram"`` or
-    ``"auto"`` (:func:`choose_ns_method`; the two forms compute the same polynomial and differ
-    in rounding only). Returns a tensor of ``G``'s shape in the compute dtype (default
-    :func:`default_compute_dtype` of ``G``'s device).
+    matrices done in one batched call). ``method`` is ``"classic"``, ``"gram"`` or ``"auto"``;
+    with ``compute_dtype`` it fixes the form and the dtype it runs in (:func:`choose_ns_form`;
+    the two forms compute the same polynomial and differ in rounding only). G is rounded to
+    :func:`ns_io_dtype` (the run dtype, or bf16 for an fp16 run on a wider input) and each
+    matrix divided by its own Frobenius norm in fp32 (times ``norm_safety``; default: what the
+    named table needs, else 1), rounding once to the run dtype; tall matrices are transposed so
+    the Gram matrix ``X X^T`` is the small one. Returns a tensor of ``G``'s shape in
+    :func:`ns_io_dtype` (the compute dtype, default :func:`default_compute_dtype` of ``G``'s
+    device, except bf16 for an fp16 iteration on a wider input).
     """
     if G.ndim < 2:
         raise ValueError(
@@ -311,42 +534,48 @@ def zeropower_via_newtonschulz(
         norm_safety = NS_NORM_SAFETY.get(coefficients, 1.0) if isinstance(coefficients, str) else 1.0
     if not norm_safety > 0:
         raise ValueError(f"norm_safety must be positive, got {norm_safety!r}")
-    dtype = compute_dtype if compute_dtype is not None else default_compute_dtype(G.device)
     shape = G.shape
+    form, dtype = choose_ns_form(shape, ns_steps, method, compute_dtype, steps, G.device)
     if G.numel() == 0:
-        return torch.zeros(shape, dtype=dtype, device=G.device)
-    form = choose_ns_method(shape, ns_steps, method, dtype, steps)
+        return torch.zeros(shape, dtype=ns_io_dtype(G.dtype, dtype), device=G.device)
+    plan = gram_restart_plan(steps, ns_steps, dtype) if form == "gram" else None
+    return _zeropower(G, steps, dtype, plan, norm_safety, eps)
 
+
+def _zeropower(G: Tensor, steps: Sequence[Coefficients], dtype: torch.dtype, plan: Sequence[int] | None,
+               norm_safety: float, eps: float) -> Tensor:
+    """The iteration on G in ``dtype``: the Gram form with restart ``plan``, or the classic form
+    (``plan`` None). Also what benchmarks/ns_efficiency.py --restart-study runs other plans with."""
+    shape = G.shape
     X = _normalised(G, dtype, norm_safety, eps)  # [batch, s, l], s <= l
     single = X.shape[0] == 1
     if single:  # 2-D kernels (mm/addmm) for the common unbatched case
         X = X[0]
-    if form == "gram":
-        X = _gram_iterations(X, steps, gram_restart_plan(steps, ns_steps, dtype))
-    else:
-        X = _classic_iterations(X, steps)
+    X = _classic_iterations(X, steps) if plan is None else _gram_iterations(X, steps, plan)
     if single:
         X = X.unsqueeze(0)
     if shape[-2] > shape[-1]:
         X = X.mT
-    return X.reshape(shape)
+    return X.reshape(shape).to(ns_io_dtype(G.dtype, dtype))
 
 
 def _normalised(G: Tensor, dtype: torch.dtype, norm_safety: float, eps: float) -> Tensor:
     """G as [batch, s, l] (tall matrices transposed), each matrix divided by its Frobenius norm
     times ``norm_safety``, in ``dtype``, contiguous; the same numbers whatever G's memory layout.
 
-    G is first cast to ``dtype``: exactly the numbers a bf16 all-gather delivers to the owner, so
-    parallel and single-device Muon see the same matrix. The norm of that matrix and the division
-    are then in fp32 (or wider, if G or dtype is), rounding once more: dividing by a bf16-rounded
-    norm would scale the matrix by up to 2^-8 (0.4%) off, a fifth of Polar Express's 2% safety
-    margin. Frobenius norm >= spectral norm, so singular values land in (0, 1 / norm_safety].
+    G is first rounded to :func:`ns_io_dtype` (``dtype`` itself but for fp16, which reads bf16):
+    exactly the numbers a 16-bit all-gather delivers to the owner, so parallel and single-device
+    Muon see the same matrix. The norm of that matrix and the division are then in fp32 (or wider,
+    if G or dtype is), rounding once more, to ``dtype``: dividing by a bf16-rounded norm would
+    scale the matrix by up to 2^-8 (0.4%) off, a fifth of Polar Express's 2% safety margin; and an
+    fp16 matrix is only ever formed from values already in [-1, 1]. Frobenius norm >= spectral
+    norm, so singular values land in (0, 1 / norm_safety].
     """
     m, n = G.shape[-2:]
     # Contiguous first: a reduction's rounding depends on the memory layout, and the same matrix
     # arrives as a strided view on some paths (an owner's zero-copy piece with NorMuon's row-state
     # columns beside it, an assembled matrix cut from its padding) and contiguous on others.
-    X = G.to(dtype).reshape(-1, m, n).contiguous()
+    X = G.to(ns_io_dtype(G.dtype, dtype)).reshape(-1, m, n).contiguous()
     if m > n:
         X = X.mT
     wide = torch.promote_types(torch.promote_types(G.dtype, dtype), torch.float32)

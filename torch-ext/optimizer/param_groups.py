@@ -5,26 +5,32 @@ are lookup tables / classifiers rather than linear maps between hidden states, a
 orthogonalised update is known to do worse on them (Keller Jordan, Moonlight), so they stay on
 AdamW together with everything that is not a matrix (norm weights, biases, scalars).
 
-Every parameter gets a **role** (:func:`param_roles`), read from the model itself wherever it says
-so, and only the role ``"matrix"`` goes to Muon:
+Every parameter gets a **role** and the rule that decided it (:mod:`optimizer.roles`, the one rule
+every path uses; :func:`param_role_table` prints them), read from the model itself wherever it
+says so, then from names, then from shapes; only the role ``"matrix"`` goes to Muon:
 
 ==============  ==========================================================================
-role            how it is recognised
+role            how it is recognised (first match, top to bottom)
 ==============  ==========================================================================
 ``adapter``     a PEFT adapter weight (LoRA ``lora_A``/``lora_B``, ...): the sub-modules a
                 PEFT tuner layer lists in its ``adapter_layer_names``
 ``embedding``   an ``nn.Embedding``/``EmbeddingBag``, the module ``model.get_input_embeddings()``
-                returns, or a name component containing "embed"
+                returns
 ``head``        the module ``model.get_output_embeddings()`` returns; every parameter of a
                 Hugging Face model outside its body (``model.base_model``, named by
-                ``base_model_prefix``): ``lm_head``, ``score``, ``classifier``, ...; a weight whose
-                owning module is named ``lm_head`` or ``output``
-``router``      an MoE router weight, by :data:`MOE_ROUTER_PATTERN` (:func:`is_moe_router`)
-``conv``        a ``torch.nn`` convolution's parameters (a conv kernel is not a linear map
-                between hidden states in its last two dims)
-``bias``        a parameter whose own name contains "bias" (also 2-D ones, e.g. MoE expert
-                biases ``[E, out]``)
-``vector``      0-D/1-D (norm weights, scalars); ``tensor``: 4-D and higher
+                ``base_model_prefix``): ``lm_head``, ``score``, ``classifier``, ...; with
+                ``example_inputs``, the weights that produce the logits in a traced forward
+``conv``        a ``torch.nn`` convolution's parameters, any dimension, transposed or grouped
+                (docs/param_roles.md: why AdamW)
+(names)         a name component containing "embed" (``embedding``); a weight owned by a module
+                named ``lm_head``/``output``/``head``/``classifier`` (``head``); an MoE router
+                (``router``, :data:`MOE_ROUTER_PATTERN`); a name containing "bias" (``bias``, also
+                2-D expert biases ``[E, out]``)
+``embedding``   with ``example_inputs``: a parameter added to or concatenated with activations
+``vector``      0-D/1-D, or a vector in disguise: a dimension of 1 in the matrix view once
+                leading 1s are dropped (``[1, C, 1]`` per-channel scales, ``[1, 1, D]`` tokens)
+``embedding``   a leading dim of 1 before a matrix (``[1, N, D]``): broadcast over the batch
+``tensor``      4-D and higher
 ``matrix``      everything else: 2-D weights and 3-D ``[E, out, in]`` expert stacks -> Muon
 ==============  ==========================================================================
 
@@ -58,37 +64,23 @@ Two per-parameter facts go into the Muon group for the optimizer core:
 
 from __future__ import annotations
 
+import logging
 import re
-import sys
+from collections import Counter
 from collections.abc import Callable, Mapping
 
 from torch import Tensor, nn
 
 from .matrix_view import TRANSPOSED_KEY
+from .model_facts import ModelFacts
+from .roles import Decision, RoleRow, RoleTable, decide, decide_torch_style, refusal
+# the names this module has always offered (tests, the torchtitan adapter), now defined in roles.py
+from .roles import HEAD_MODULE_NAMES, MOE_ROUTER_PATTERN, MUON_ROLES, ROLES, WRAPPER_SEGMENTS  # noqa: F401
+from .roles import canonical_param_name, is_moe_router  # noqa: F401
 from .row_blocks import ROW_BLOCKS_KEY, row_blocks_to_plain
 from .settings import ADAMW, options_of
 
-# Owning-module names of output heads ("lm_head.weight" in HF, "output.weight" in torchtitan).
-# Matched against the module that owns the weight only, so e.g. BERT's
-# "attention.output.dense.weight" (owned by "dense") is still a hidden matrix.
-HEAD_MODULE_NAMES = ("lm_head", "output")
-
-#: The MoE router policy, shared by every default grouping (``get_default_muon_param_groups``,
-#: the Hugging Face factory, torchtitan's ``default_param_groups``): a router is the ``weight`` of
-#: a module named ``gate`` (Hugging Face Mixtral / Qwen-MoE / DeepSeek-V3 ``mlp.gate``, torchtitan
-#: ``moe.router.gate``), ``router`` or a child of one (``mlp.router``, ``router.layer``,
-#: ``router.classifier``), or ``shared_expert_gate`` (Qwen2-MoE's ``[1, dim]`` shared-expert gate).
-#: Routers go to AdamW: a ``[num_experts, dim]`` router is a classifier over experts, like an output
-#: head, not a linear map between hidden states. Match it against names without wrapper segments
-#: (:func:`canonical_param_name`), or use :func:`is_moe_router`, which does.
-MOE_ROUTER_PATTERN = r"(?:^|\.)(?:gate|shared_expert_gate|router(?:\.[A-Za-z_]\w*)?)\.weight$"
-_ROUTER_RE = re.compile(MOE_ROUTER_PATTERN)
-
-# Name segments that wrap a module without changing what it is: torch.compile, activation
-# checkpointing, FSDP1, and PEFT (LoRA's base_layer, modules_to_save's original_module and
-# "modules_to_save.<adapter name>").
-WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "base_layer",
-                    "original_module")
+logger = logging.getLogger(__name__)
 
 #: transformers' ``Trainer.get_decay_parameter_names`` (5.x): parameters inside an ``nn.LayerNorm``,
 #: and parameters whose lower-cased name matches one of these, get no weight decay.
@@ -99,184 +91,15 @@ _NO_DECAY_RES = tuple(re.compile(p) for p in TRAINER_NO_DECAY_PATTERNS)
 ADAMW_OPTION_KEYS = tuple(o.name for o in options_of(ADAMW))
 FUSED_GATE_UP_MODES = ("split", "whole")
 
-ROLES = ("matrix", "embedding", "head", "router", "adapter", "conv", "bias", "vector", "tensor")
-MUON_ROLES = frozenset({"matrix"})
 
-
-def canonical_param_name(name: str) -> str:
-    """``name`` without wrapper segments (:data:`WRAPPER_SEGMENTS` and PEFT's
-    ``modules_to_save.<adapter>``): ``lm_head.modules_to_save.default.weight -> lm_head.weight``."""
-    parts = name.split(".")
-    out, i = [], 0
-    while i < len(parts):
-        if parts[i] == "modules_to_save" and i + 1 < len(parts) - 1:
-            i += 2  # "modules_to_save.<adapter name>"
-            continue
-        if parts[i] not in WRAPPER_SEGMENTS:
-            out.append(parts[i])
-        i += 1
-    return ".".join(out)
-
-
-def is_moe_router(name: str) -> bool:
-    """True for an MoE router weight by :data:`MOE_ROUTER_PATTERN` (on :func:`canonical_param_name`)."""
-    return _ROUTER_RE.search(canonical_param_name(name)) is not None
-
-
-def _is_embedding_or_head(name: str, param: Tensor, excluded_param_ids: set[int]) -> bool:
-    if id(param) in excluded_param_ids:
-        return True
-    parts = canonical_param_name(name).split(".")
-    if any("embed" in p.lower() for p in parts):
-        return True
-    return len(parts) >= 2 and parts[-2] in HEAD_MODULE_NAMES
-
-
-def _named_bias(name: str) -> bool:
-    return "bias" in canonical_param_name(name).split(".")[-1].lower()
-
-
-def default_is_muon(name: str, param: Tensor, excluded_param_ids: set[int] = frozenset()) -> bool:
-    """True for hidden weight matrices by name and shape: 2-D, or 3-D ``[E, out, in]`` stacked experts.
-
-    The name-only rules of :func:`param_roles` (no module metadata): not an embedding or head by
-    name, not an MoE router (:func:`is_moe_router`), not named "bias". ``excluded_param_ids``
-    holds params of modules recognised otherwise (embeddings, convs, heads, adapters). 4-D and
-    higher are left to AdamW: Muon orthogonalises the last two dims, and for a conv kernel those
-    are input channels x taps, not the layer's linear map. Pass ``is_muon`` to route such weights
-    differently.
-    """
-    return (
-        param.ndim in (2, 3)
-        and not _is_embedding_or_head(name, param, excluded_param_ids)
-        and not is_moe_router(name)
-        and not _named_bias(name)
-    )
-
-
-# --------------------------------------------------------------------------- model metadata
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model under a PEFT wrapper (``PeftModel.get_base_model()``), else ``model``."""
-    get_base = getattr(model, "get_base_model", None)
-    if callable(get_base):
-        try:
-            inner = get_base()
-        except Exception:  # noqa: BLE001 - not PEFT's method after all
-            return model
-        if isinstance(inner, nn.Module):
-            return inner
-    return model
-
-
-def _module_from(model: nn.Module, method: str) -> nn.Module | None:
-    fn = getattr(model, method, None)
-    if not callable(fn):
-        return None
-    try:
-        m = fn()
-    except (NotImplementedError, AttributeError, TypeError):
-        return None
-    return m if isinstance(m, nn.Module) else None
-
-
-def _ids(module: nn.Module | None) -> set[int]:
-    return set() if module is None else {id(p) for p in module.parameters()}
-
-
-def _type_named(module: nn.Module, module_name: str, class_name: str) -> bool:
-    """isinstance against a class of a module that may not be imported (then nothing is one)."""
-    mod = sys.modules.get(module_name)
-    cls = getattr(mod, class_name, None) if mod is not None else None
-    return isinstance(cls, type) and isinstance(module, cls)
-
-
-class _ModelFacts:
-    """What the model's own metadata says about its parameters (ids of parameter objects)."""
-
-    def __init__(self, model: nn.Module):
-        inner = _unwrap(model)
-        self.embedding: set[int] = set()
-        self.head: set[int] = set()
-        self.conv: set[int] = set()
-        self.adapter: set[int] = set()
-        self.transposed: set[int] = set()
-        self.row_blocks: dict[int, str] = {}  # id -> plain spec of a fused gate_up weight
-        for m in model.modules():
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-                self.embedding |= _ids(m)
-            elif isinstance(m, nn.modules.conv._ConvNd):
-                self.conv |= _ids(m)
-            if _type_named(m, "peft.tuners.tuners_utils", "BaseTunerLayer"):
-                for attr in getattr(m, "adapter_layer_names", ()):
-                    sub = getattr(m, attr, None)
-                    if isinstance(sub, nn.Module):
-                        self.adapter |= _ids(sub)
-            if _type_named(m, "transformers.pytorch_utils", "Conv1D"):
-                w = getattr(m, "weight", None)
-                if isinstance(w, nn.Parameter):
-                    self.transposed.add(id(w))
-            self._experts(m)
-        for wrapper in {id(model): model, id(inner): inner}.values():
-            self.embedding |= _ids(_module_from(wrapper, "get_input_embeddings"))
-            self.head |= _ids(_module_from(wrapper, "get_output_embeddings"))
-        # A Hugging Face task model is its body (`base_model`, named by `base_model_prefix`) plus a
-        # task head: every parameter outside the body (lm_head, score, classifier, qa_outputs, ...).
-        prefix = getattr(inner, "base_model_prefix", None)
-        body = getattr(inner, prefix, None) if isinstance(prefix, str) and prefix else None
-        if isinstance(body, nn.Module) and body is not inner:
-            self.head |= _ids(inner) - _ids(body)
-
-    def _experts(self, m: nn.Module) -> None:
-        """transformers' fused experts (``use_experts_implementation``): [gate; up] rows, transposition."""
-        if not hasattr(m, "is_transposed") or not hasattr(m, "has_gate"):
-            return
-        transposed = bool(getattr(m, "is_transposed", False))
-        for pname, p in m.named_parameters(recurse=False):
-            if p.ndim != 3:
-                continue
-            if transposed:
-                self.transposed.add(id(p))
-            if pname == "gate_up_proj" and getattr(m, "has_gate", False) and getattr(m, "is_concatenated", False):
-                out_features = p.shape[-1] if transposed else p.shape[-2]
-                if out_features % 2 == 0:
-                    half = out_features // 2
-                    self.row_blocks[id(p)] = f"blocks:{half},{half}"
-
-
-def param_roles(model: nn.Module) -> dict[str, str]:
-    """``{parameter name: role}`` for every parameter (module docstring: the roles and their rules).
+def param_roles(model: nn.Module, example_inputs=None) -> dict[str, str]:
+    """``{parameter name: role}`` for every parameter (:mod:`optimizer.roles`: the roles and their rules).
 
     Tied parameters appear once, under their first name (as ``named_parameters`` gives them).
-    Only the role ``"matrix"`` goes to Muon by default.
-    """
-    facts = _ModelFacts(model)
-    return {name: _role(name, p, facts) for name, p in model.named_parameters()}
-
-
-def _role(name: str, p: Tensor, facts: _ModelFacts) -> str:
-    pid = id(p)
-    if pid in facts.adapter:
-        return "adapter"
-    if pid in facts.embedding:
-        return "embedding"
-    if pid in facts.head:
-        return "head"
-    if pid in facts.conv:
-        return "conv"
-    if _is_embedding_or_head(name, p, set()):
-        parts = canonical_param_name(name).split(".")
-        return "embedding" if any("embed" in q.lower() for q in parts) else "head"
-    if is_moe_router(name):
-        return "router"
-    if _named_bias(name):
-        return "bias"
-    if p.ndim < 2:
-        return "vector"
-    if p.ndim > 3:
-        return "tensor"
-    return "matrix"
+    Only the role ``"matrix"`` goes to Muon by default. ``example_inputs``: see
+    :func:`get_default_muon_param_groups`."""
+    facts = ModelFacts(model, example_inputs)
+    return {name: decide(name, p, facts).role for name, p in model.named_parameters()}
 
 
 def trainer_no_decay_names(model: nn.Module) -> set[str]:
@@ -308,6 +131,7 @@ def get_default_muon_param_groups(
     adamw_options: Mapping | None = None,
     no_decay: str | Callable[[str, Tensor], bool] | None = None,
     fused_gate_up: str = "split",
+    example_inputs=None,
     **muon_group_options,
 ) -> list[dict]:
     """``[{"params", "param_names", "use_muon": True, ...}, {..., "use_muon": False}, ...]``.
@@ -318,7 +142,9 @@ def get_default_muon_param_groups(
     Args:
         is_muon: ``(name, param) -> bool`` replacing the default choice (parameters whose
             :func:`param_roles` role is ``"matrix"``: 2-D/3-D weights that are not embeddings,
-            heads, MoE routers, adapters, conv kernels or biases).
+            heads, MoE routers, adapters, conv kernels, biases or vectors in disguise). Choosing
+            Muon for what Muon cannot read as a matrix (a vector, a vector in disguise, a
+            convolution kernel) is refused, naming the parameter.
         adamw_options: options of the AdamW groups: ``lr``, ``weight_decay``, ``betas``, ``eps``,
             ``maximize`` (unset ones take the optimizer's defaults).
         no_decay: which AdamW parameters get ``weight_decay=0.0`` (in a group of their own):
@@ -327,6 +153,11 @@ def get_default_muon_param_groups(
         fused_gate_up: ``"split"`` (default) orthogonalises a Hugging Face fused MoE
             ``gate_up_proj``'s gate and up rows as two matrices (``"muon_row_blocks"``
             ``"blocks:I,I"``); ``"whole"`` as one.
+        example_inputs: inputs of one forward (a dict of keyword arguments, a tuple of positional
+            ones, or a tensor) that lets the roles see the model at work
+            (:mod:`optimizer.forward_trace`): the weights producing the logits become heads (a
+            plain model's ``head``/``fc``, CLIP's projections), parameters added to activations
+            embeddings. Runs the forward once, in eval mode, on an unsharded model.
         **muon_group_options: keys of the Muon group (``lr``, ``weight_decay``, ``momentum``,
             ``muon_row_blocks``, ...). A ``{name: spec}`` ``muon_row_blocks`` is merged over the
             automatic blocks (yours win); a single spec replaces them.
@@ -335,16 +166,76 @@ def get_default_muon_param_groups(
     ``[in, out]`` and ``"muon_row_blocks"`` for fused ``gate_up_proj`` weights, when there are
     any (module docstring). Row-block specs are in their plain form, so the optimizer's state dict
     loads with ``torch.load(weights_only=True)``.
+
+    Where each parameter went, with its role and the rule that decided it, is logged at DEBUG
+    level (logger ``optimizer.param_groups``); :func:`param_role_table` returns it.
     """
+    groups, table = _groups_and_table(model, is_muon, adamw_options, no_decay, fused_gate_up, example_inputs,
+                                      muon_group_options)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("get_default_muon_param_groups: where each parameter went\n%s", table)
+    if table and not any(row.optimizer == "muon" for row in table):
+        roles = Counter(row.role for row in table)
+        logger.warning("get_default_muon_param_groups: no parameter of this %s is a matrix Muon orthogonalises (%s): "
+                       "AdamW steps all of them. optimizer.param_role_table(model) shows why; docs/param_roles.md.",
+                       type(model).__name__, ", ".join(f"{n} {role}" for role, n in roles.most_common()))
+    return groups
+
+
+def param_role_table(model_or_params, is_muon=None, **kwargs) -> RoleTable:
+    """Each parameter's group, role and the rule that decided it (``print()`` it for a table).
+
+    For an ``nn.Module``: what :func:`get_default_muon_param_groups` does with the same arguments
+    (``group`` indexes the list it returns). For anything else ``Muon`` accepts as ``params`` (a
+    list of tensors, ``named_parameters()``, groups with or without ``use_muon``): what ``Muon``
+    does with it (``group`` indexes ``Muon(params).param_groups``).
+    """
+    if isinstance(model_or_params, nn.Module):
+        options = dict(kwargs)
+        args = [options.pop(k, d) for k, d in (("adamw_options", None), ("no_decay", None),
+                                                ("fused_gate_up", "split"), ("example_inputs", None))]
+        return _groups_and_table(model_or_params, is_muon, *args, options)[1]
+    if is_muon is not None or kwargs:
+        raise ValueError("param_role_table: is_muon and grouping options apply to a model only; a parameter list "
+                         "is grouped as Muon groups it")
+    return _torch_style_table(model_or_params)
+
+
+def _torch_style_table(params) -> RoleTable:
+    """What ``Muon(params)`` does with each parameter (``Muon.add_param_group``: ``split_by_kind``)."""
+    from .muon import _named_params, split_by_kind
+
+    if isinstance(params, Tensor):
+        params = [params]
+    params = list(params)
+    groups = params if params and all(isinstance(g, dict) for g in params) else [{"params": params}]
+    rows, index = [], 0
+    for group in groups:
+        parts = [group] if "use_muon" in group else split_by_kind(group, log=False)
+        for part in parts:
+            kind = "muon" if part["use_muon"] else "adamw"
+            for i, (n, p) in enumerate(_named_params(part)[0]):
+                d = decide_torch_style(n, p.shape)
+                rule = f"explicit group (use_muon={part['use_muon']})" if "use_muon" in group else d.rule
+                rows.append(RoleRow(n if n is not None else f"param_groups[{index}]['params'][{i}]", tuple(p.shape),
+                                    index, kind, d.role, rule))
+            index += 1
+    return RoleTable(rows)
+
+
+def _groups_and_table(model, is_muon, adamw_options, no_decay, fused_gate_up, example_inputs,
+                      muon_group_options) -> tuple[list[dict], RoleTable]:
+    """The groups and, for every parameter in them, its row (``param_role_table``)."""
     adamw_options, exempt = _check_arguments(model, is_muon, adamw_options, no_decay, fused_gate_up,
                                              muon_group_options)
-    facts = _ModelFacts(model)
+    facts = ModelFacts(model, example_inputs)
     muon, decay, no_decay_group = ([], []), ([], []), ([], [])
-    transposed, blocks = {}, {}
+    transposed, blocks, decisions = {}, {}, {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if _goes_to_muon(name, param, is_muon, facts):
+        decisions[name] = _decision(name, param, is_muon, facts)
+        if decisions[name].use_muon:
             target = muon
             if id(param) in facts.transposed:
                 transposed[name] = True
@@ -366,7 +257,19 @@ def get_default_muon_param_groups(
     if no_decay_group[0]:
         groups.append({"params": no_decay_group[0], "param_names": no_decay_group[1], "use_muon": False,
                        **adamw_options, "weight_decay": 0.0})
-    return groups
+    rows = [RoleRow(n, tuple(p.shape), gi, "muon" if g["use_muon"] else "adamw", decisions[n].role, decisions[n].rule)
+            for gi, g in enumerate(groups) for n, p in zip(g["param_names"], g["params"])]
+    order = {n: i for i, n in enumerate(decisions)}  # the model's order, not the groups'
+    return groups, RoleTable(sorted(rows, key=lambda r: order[r.name]))
+
+
+def muon_choice_problems(model: nn.Module, chosen, chooser: str, facts: ModelFacts | None = None) -> list[str]:
+    """One line per ``(name, param)`` in ``chosen`` that ``chooser`` (an explicit choice: a
+    torchtitan Muon pattern) sends to Muon although Muon cannot read it as a matrix
+    (:func:`optimizer.roles.refusal`); ``model`` gives the modules."""
+    facts = ModelFacts(model) if facts is None else facts
+    return [problem for name, p in chosen
+            if (problem := refusal(name, p.shape, decide(name, p, facts), chooser)) is not None]
 
 
 def _check_arguments(model, is_muon, adamw_options, no_decay, fused_gate_up, muon_group_options):
@@ -395,16 +298,20 @@ def _check_arguments(model, is_muon, adamw_options, no_decay, fused_gate_up, muo
     raise ValueError(f"no_decay must be None, 'trainer' or a callable (name, param) -> bool, got {no_decay!r}")
 
 
-def _goes_to_muon(name: str, param: Tensor, is_muon, facts: "_ModelFacts") -> bool:
+def _decision(name: str, param: Tensor, is_muon, facts: ModelFacts) -> Decision:
+    """The role rule's decision, or ``is_muon``'s (refused where Muon cannot read a matrix)."""
+    decision = decide(name, param, facts)
     if is_muon is None:
-        return _role(name, param, facts) in MUON_ROLES
+        return decision
     use_muon = bool(is_muon(name, param))
-    if use_muon and param.ndim < 2:
-        raise ValueError(
-            f"is_muon chose Muon for {name!r} of shape {tuple(param.shape)}; Muon needs a "
-            "matrix (or a batch of matrices [..., m, n]); send it to AdamW instead"
-        )
-    return use_muon
+    if use_muon:
+        problem = refusal(name, param.shape, decision, "is_muon")
+        if problem is not None:
+            raise ValueError(problem)
+    if use_muon == decision.use_muon:
+        return decision
+    return Decision(decision.role, f"is_muon (yours) chose {'Muon' if use_muon else 'AdamW'}; the role's rule: "
+                    f"{decision.rule}", muon=use_muon)
 
 
 def _muon_group_options(muon_group_options: Mapping, blocks: dict, transposed: dict) -> dict:

@@ -225,8 +225,9 @@ class MuonSettings:
     (also by ``dataclasses.replace``, which is how an option is changed on a live optimizer)."""
 
     compute_dtype: torch.dtype | None = _option(
-        None, "Newton–Schulz dtype; None: fp32 on CPU (bf16 matmul is ~100x slower there), bf16 on CUDA; "
-        "sharded pieces travel in it when narrower", _compute_dtype, plan=True)
+        None, "Newton–Schulz dtype; None: fp32 on CPU (bf16 matmul is ~100x slower there), on CUDA bf16 for "
+        "the classic form and fp16 for the Gram form (docs/newton_schulz.md); sharded pieces travel in it when "
+        "narrower (bf16 for fp16)", _compute_dtype, plan=True)
     qk_clip: QKClipConfig | None = _option(
         None, "a QKClipConfig to enable QK-clip (MuonClip), or None", _qk_clip, plan=True, show=_qk_clip_repr)
     distributed_mode: str = _option(

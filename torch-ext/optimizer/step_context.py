@@ -28,7 +28,7 @@ from . import settings as options
 from .checks import gradient_problem, param_problem
 from .distributed import agreement, groups
 from .distributed.layout import MeshGrid, ParamLayout
-from .newton_schulz import default_compute_dtype, newton_schulz_flops
+from .newton_schulz import default_compute_dtype, newton_schulz_flops, ns_io_dtype
 from .parallel.plan import PlanParam, PlanSettings, StepPlan, build_plan
 from .parallel.split_newton_schulz import SplitHardware, hardware_for
 from .parallel.split_plan import SplitModel, rank_sets
@@ -198,8 +198,9 @@ class StepContext:
             problem = local_shape_problem(e.name, p, layout, self._rank, e.transposed)
             if problem:
                 self.errors.append(problem)
-        compute = self.settings.compute_dtype or default_compute_dtype(local_view(p).device)
-        cost, ns_key = ns_cost(group, compute), e.group
+        device = local_view(p).device
+        compute = self.settings.compute_dtype or default_compute_dtype(device)
+        cost, ns_key = ns_cost(group, self.settings.compute_dtype, device), e.group
         if group.get(ROW_BLOCKS_KEY) is not None:
             try:
                 blocks = resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], e.name, f"Muon: param_groups[{e.group}]"),
@@ -219,7 +220,7 @@ class StepContext:
             mesh=p.device_mesh if layout is not None else None,
             compute_itemsize=compute.itemsize, state_itemsize=work.itemsize,
             row_bytes=row_state_dtype(work).itemsize if normuon_on(group) else 0,
-            # a unit with row blocks is orthogonalised whole, block by block (README: ns_split); a cut
+            # a unit with row blocks is orthogonalised whole, block by block (docs/parallel.md: ns_split); a cut
             # NorMuon unit takes its row statistics from the whole matrix (rule.normuon_normalize_split)
             split=split_model(group, compute, local_view(p).device) if cuttable else None,
         )
@@ -410,13 +411,15 @@ def describe(name: str, p) -> str:
     return f"'{name}' {tuple(p.shape)} {tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)}"
 
 
-def ns_cost(group: Mapping, compute_dtype: torch.dtype) -> Callable[[tuple[int, ...]], float]:
+def ns_cost(group: Mapping, compute_dtype: torch.dtype | None,
+            device: torch.device | None = None) -> Callable[[tuple[int, ...]], float]:
     """Newton–Schulz FLOPs of a (sub-)shape, of the form ``ns_method`` picks for it (owners are
-    balanced on the work actually done)."""
+    balanced on the work actually done); ``compute_dtype`` as the user set it (None: the device's
+    defaults, where the Gram form may run in fp16: ``newton_schulz.ns_form_dtypes``)."""
     steps, method, coefficients = group["ns_steps"], group.get("ns_method", "auto"), group["ns_coefficients"]
 
     def cost(shape: tuple[int, ...]) -> float:
-        return float(newton_schulz_flops(shape, steps, method, compute_dtype, coefficients))
+        return float(newton_schulz_flops(shape, steps, method, compute_dtype, coefficients, device))
 
     return cost
 
@@ -465,8 +468,9 @@ def blocks_cost(blocks: RowBlocks, matrix_cost: Callable) -> Callable[[tuple[int
 
 
 def wire_dtype(compute: torch.dtype, p) -> torch.dtype:
-    """What a sharded update travels as: the Newton–Schulz dtype when narrower."""
-    return compute if compute.itemsize < p.dtype.itemsize else p.dtype
+    """What a sharded update travels as: the Newton–Schulz dtype when narrower, as Newton–Schulz
+    reads it (``ns_io_dtype``: bf16 for fp16, whose range a momentum entry may exceed)."""
+    return ns_io_dtype(p.dtype, compute) if compute.itemsize < p.dtype.itemsize else p.dtype
 
 
 def mesh_device(mesh) -> torch.device:

@@ -43,10 +43,16 @@ Classic form, per step (``method="classic"``, or one-step Gram segments):
 Gram form (``gram_restart_plan`` segments of L >= 2 steps): one all-reduce of ``X X^T`` per
 segment, the m x m recursion of :func:`~optimizer.newton_schulz._gram_segment_factor`
 (``(4 L - 3) 2 m^3`` FLOPs), then ``X_i <- Q X_i``. Segments of one step are classic steps (as in
-the unsplit code). The form is chosen exactly as the unsplit call would choose it for the whole
-matrix (``choose_ns_method`` on the full shape, with the restart plan ``gram_restart_plan`` gives
-for the dtype, whatever its segment lengths): the two forms differ by up to ~1e-3 in fp32, so
-results must not depend on whether the planner split a matrix. The recursion runs two ways
+the unsplit code). The form and the dtype it runs in are chosen exactly as the unsplit call would
+choose them for the whole matrix (``choose_ns_form`` on the full shape, device and compute dtype,
+with the restart plan ``gram_restart_plan`` gives for that dtype, whatever its segment lengths):
+the two forms differ by up to ~1e-3 in fp32, so results must not depend on whether the planner
+split a matrix. With ``compute_dtype=None`` on CUDA the Gram form runs in fp16
+(``newton_schulz.ns_form_dtypes``; segments such as 2 + 3), the block read and returned in bf16
+(``ns_io_dtype``), and the first Gram matrix formed from each block scaled by its own norm (see
+:func:`_normalise_first_gram`); in bf16 "auto" is always the classic form. The cost model
+(:func:`split_ns_cost`, :meth:`~.split_cost.SplitHardware.form`) takes the form and dtype from the same
+function, so it prices what runs. The recursion runs two ways
 (``recursion``; "auto": :func:`~.split_cost.choose_recursion`, per segment):
 
   - ``"redundant"``: every member runs all of it (no communication; its m^3 terms do not shrink
@@ -123,9 +129,9 @@ from ..newton_schulz import (
     _symmetric_product,
     _uses_symmetric_blocks,
     check_ns_method,
-    choose_ns_method,
-    default_compute_dtype,
+    choose_ns_form,
     gram_restart_plan,
+    ns_io_dtype,
     resolve_ns_coefficients,
 )
 from .split_cost import (
@@ -219,14 +225,15 @@ def split_zeropower_via_newtonschulz(
 def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm_safety, method, b_split,
               hardware, record, recursion="auto"):
     """The implementation; ``record`` (tests): a list that receives every replicated matrix."""
-    k, rank, widths, steps, norm_safety, dtype = _checked_call(X, widths, group, ns_steps, coefficients,
-                                                                norm_safety, method, b_split, compute_dtype)
+    k, rank, widths, steps, norm_safety = _checked_call(X, widths, group, ns_steps, coefficients,
+                                                         norm_safety, method, b_split)
     check_recursion(recursion)
-    if X.numel() == 0:  # no rows, or an empty batch: the same on every member, no collective
-        return torch.zeros(X.shape, dtype=dtype, device=X.device)
     m, ni = X.shape[-2], X.shape[-1]
     full = (*X.shape[:-1], sum(widths))
-    form = choose_ns_method(full, ns_steps, method, dtype, steps)
+    form, dtype = choose_ns_form(full, ns_steps, method, compute_dtype, steps, X.device)  # as the unsplit call
+    io = ns_io_dtype(X.dtype, dtype)  # the compute dtype, or bf16 for fp16 on a wider input
+    if X.numel() == 0:  # no rows, or an empty batch: the same on every member, no collective
+        return torch.zeros(X.shape, dtype=io, device=X.device)
     plan = gram_restart_plan(steps, ns_steps, dtype) if form == "gram" else (1,) * ns_steps
     hardware = hardware or hardware_for(X.device)
     if b_split == "auto":
@@ -235,7 +242,7 @@ def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm
     ways = [recursion if recursion != "auto" else choose_recursion(full, k, length, dtype, hardware)
             for length in plan]
 
-    Xb = X.to(dtype).reshape(-1, m, ni)
+    Xb = X.to(io).reshape(-1, m, ni)
     symmetric = _uses_symmetric_blocks(Xb)
     # Two or more matrices: two halves, interleaved, so that one half's collectives run while the
     # other half computes (every member runs the same schedule, so the group sees one order).
@@ -249,7 +256,7 @@ def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm
 
     outs = _interleaved([iteration(h) for h in halves])
     out = outs[0] if len(outs) == 1 else torch.cat([o.reshape(-1, m, ni) for o in outs])
-    return out.reshape(X.shape)
+    return out.reshape(X.shape).to(io)
 
 
 def _interleaved(runs) -> list:
@@ -275,9 +282,9 @@ def _interleaved(runs) -> list:
     return results
 
 
-def _checked_call(X, widths, group, ns_steps, coefficients, norm_safety, method, b_split, compute_dtype):
+def _checked_call(X, widths, group, ns_steps, coefficients, norm_safety, method, b_split):
     """The group's size and this rank's place in it, the widths as ints, the coefficient triples,
-    the norm safety factor and the compute dtype; a clear error for anything inconsistent."""
+    the norm safety factor; a clear error for anything inconsistent."""
     if X.ndim < 2:
         raise ValueError(f"split_zeropower_via_newtonschulz expects a block [..., m, n_i], got shape {tuple(X.shape)}")
     check_ns_method(method)
@@ -301,8 +308,7 @@ def _checked_call(X, widths, group, ns_steps, coefficients, norm_safety, method,
         norm_safety = NS_NORM_SAFETY.get(coefficients, 1.0) if isinstance(coefficients, str) else 1.0
     if not norm_safety > 0:
         raise ValueError(f"norm_safety must be positive, got {norm_safety!r}")
-    dtype = compute_dtype if compute_dtype is not None else default_compute_dtype(X.device)
-    return k, rank, widths, steps, norm_safety, dtype
+    return k, rank, widths, steps, norm_safety
 
 
 def _iterate(Xb, A, steps, plan, rows, ways, symmetric, k, rank, group, record):
@@ -347,19 +353,28 @@ def _iterate(Xb, A, steps, plan, rows, ways, symmetric, k, rank, group, record):
 def _normalise_first_gram(Xb, input_dtype, dtype, norm_safety, eps, symmetric, k, group):
     """The block divided by the whole matrix's norm (times ``norm_safety``, at least ``eps``) and
     the first Gram matrix, from one all-reduce of ``[G_i G_i^T, ||G_i||^2]`` in the wide dtype
-    (a generator, as :func:`_iterate`)."""
+    (a generator, as :func:`_iterate`).
+
+    ``Xb`` is the block as read (``ns_io_dtype``: the compute dtype, or bf16 for fp16). In fp16 the
+    unscaled block's Gram matrix could pass 65504, so its own norm scales it into [-1, 1] first
+    and scales the fp16 product back in the wide dtype: ``||G_i||^2 (Y_i Y_i^T)``, Y_i = G_i / ||G_i||
+    (another rounding path than the unsplit product of the normalised matrix, as bf16's is)."""
     wide = wide_dtype(dtype, input_dtype)
     lead, m = Xb.shape[:-2], Xb.shape[-2]
     count = math.prod(lead)
     buf = torch.empty(count * m * m + count, dtype=wide, device=Xb.device)
     gram = buf[: count * m * m].view(*lead, m, m)
-    if dtype == wide:
-        _symmetric_product(Xb, Xb.mT, blocks=symmetric, out=gram)
-    else:
-        gram.copy_(_symmetric_product(Xb, Xb.mT, blocks=symmetric))
     squares = buf[count * m * m :].view(*lead, 1, 1)
     norm = torch.linalg.vector_norm(Xb, dim=(-2, -1), keepdim=True, dtype=wide)
     torch.mul(norm, norm, out=squares)
+    if dtype == torch.float16:
+        local = norm.clamp_min(torch.finfo(wide).tiny)
+        Y = torch.div(Xb, local, out=torch.empty(Xb.shape, dtype=dtype, device=Xb.device))
+        torch.mul(_symmetric_product(Y, Y.mT, blocks=symmetric), squares, out=gram)
+    elif dtype == wide:
+        _symmetric_product(Xb, Xb.mT, blocks=symmetric, out=gram)
+    else:
+        gram.copy_(_symmetric_product(Xb, Xb.mT, blocks=symmetric))
     if k > 1:
         yield dist.all_reduce(buf, group=group, async_op=True)
     scale = (squares.sqrt() * norm_safety).clamp_min(eps)

@@ -28,11 +28,14 @@ def _dtype(value):
 
 def hf_param_groups(model: nn.Module, *, is_muon: Callable[[str, Tensor], bool] | None = None,
                     adamw_options: Mapping | None = None, no_decay="trainer", fused_gate_up: str = "split",
-                    **muon_group_options) -> list[dict]:
+                    example_inputs=None, **muon_group_options) -> list[dict]:
     """:func:`optimizer.get_default_muon_param_groups` with transformers Trainer's conventions:
-    biases and norm weights of the AdamW part get no weight decay (``no_decay="trainer"``)."""
+    biases and norm weights of the AdamW part get no weight decay (``no_decay="trainer"``).
+    ``example_inputs`` (e.g. ``{"input_ids": ..., "pixel_values": ...}``) lets the roles see one
+    forward: the weights producing the logits are heads (CLIP's projections)."""
     return get_default_muon_param_groups(model, is_muon, adamw_options=adamw_options, no_decay=no_decay,
-                                         fused_gate_up=fused_gate_up, **muon_group_options)
+                                         fused_gate_up=fused_gate_up, example_inputs=example_inputs,
+                                         **muon_group_options)
 
 
 def build_muon(
@@ -46,6 +49,7 @@ def build_muon(
     no_decay="trainer",
     fused_gate_up: str = "split",
     muon_row_blocks=None,
+    example_inputs=None,
     **muon_kwargs,
 ) -> Muon:
     """``optimizer.Muon`` over a Hugging Face model, for a Trainer, an accelerate loop or plain PyTorch.
@@ -53,8 +57,10 @@ def build_muon(
     Param groups: :func:`hf_param_groups` (heads, embeddings, routers, adapters, norms and biases to
     AdamW; biases and norm weights without weight decay, as Trainer does; ``adamw_options`` for the
     AdamW groups' ``lr``/``weight_decay``/``betas``/``eps``; fused MoE ``gate_up_proj`` split;
-    ``muon_transposed`` for GPT-2's ``Conv1D``). ``muon_row_blocks`` (a ``{name: spec}`` or one
-    spec) is added to the Muon group.
+    ``muon_transposed`` for GPT-2's ``Conv1D``; convolutions and vectors in disguise such as
+    ``[1, C, 1]`` per-channel scales to AdamW: docs/param_roles.md). ``muon_row_blocks`` (a
+    ``{name: spec}`` or one spec) is added to the Muon group. ``example_inputs``: one forward's
+    inputs for the roles (:func:`hf_param_groups`).
 
     ``qk_clip``: a threshold (the config comes from :func:`qk_clip_config_for`) or a
     :class:`~optimizer.QKClipConfig`. The logits are recorded from the model's own training
@@ -72,7 +78,7 @@ def build_muon(
     record_dtype = _dtype(record_max_logits_dtype)
     group_options = {} if muon_row_blocks is None else {"muon_row_blocks": muon_row_blocks}
     groups = hf_param_groups(model, is_muon=is_muon, adamw_options=adamw_options, no_decay=no_decay,
-                             fused_gate_up=fused_gate_up, **group_options)
+                             fused_gate_up=fused_gate_up, example_inputs=example_inputs, **group_options)
     if qk_clip is None:
         return Muon(groups, **muon_kwargs)
     if isinstance(qk_clip, numbers.Real) and not isinstance(qk_clip, bool):

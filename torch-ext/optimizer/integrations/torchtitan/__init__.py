@@ -17,7 +17,9 @@ Param groups are torchtitan's ``ParamGroupConfig`` (regex on the parameter FQN, 
 wins) with ``optimizer_name`` ``"Muon"`` or ``"AdamW"`` and that group's hyperparameters in
 ``optimizer_kwargs``. :func:`default_param_groups` sends embeddings, the output head, MoE router
 gates, norms and biases to AdamW and every other parameter (2-D weights, 3-D expert stacks) to
-Muon.
+Muon. A Muon pattern that matches what Muon cannot read as a matrix (a convolution's kernel, a
+vector in disguise such as a ``[1, C, 1]`` scale) is refused when the container is built, naming
+each parameter (``optimizer.roles``, docs/param_roles.md).
 
 Fused ``wqkv`` (torchtitan's default ``fuse_qkv=True``): Muon orthogonalises its query, key and
 value rows as three matrices by default (``Config.fused_qkv_orthogonalization="split"``), so

@@ -7,24 +7,22 @@ as a ``torch.optim.Optimizer`` (``step``, ``zero_grad``, hooks), hands it to its
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ...muon import Muon
 from ...param_groups import MOE_ROUTER_PATTERN
-from ...qk_clip import QKClipConfig
-from ...row_blocks import ROW_BLOCKS_KEY, SplitQKV
-from ...settings import ADAMW, MUON, options_of
 from ...tensors import is_dtensor
 from ._torchtitan import OptimizersContainer, ParamGroupConfig, canonical_fqn
-from .layouts import AttentionLayout, TorchtitanQKRoles, attention_layouts, check_known_fused, single
+# The container's parts by role: the Config's checks, the param groups, the QK-clip and fused-weight
+# set-up.  Their names are re-exported here, where they were defined before the split.
+from .config_checks import DTYPES, FUSED_QKV_ORTHOGONALIZATION, check_config  # noqa: F401
+from .groups import ADAMW_GROUP_KEYS, MUON_GROUP_KEYS, muon_param_groups  # noqa: F401
+from .layouts import attention_layouts
+from .qk_clip_setup import fused_row_blocks, layers_with_q, qk_clip_config, resolve_callable
 
 QKLogitsFn = Callable[[list[nn.Module]], Mapping[int, Tensor] | None]
 
@@ -39,12 +37,6 @@ ADAMW_PATTERN = (
     r"|\.bias$"
 )
 
-# What a group's optimizer_kwargs may set: every per-group option of its kind (settings.GROUP_OPTIONS,
-# so an option added there is accepted here too), except the row blocks this container sets itself
-# (``fused_qkv_orthogonalization``).
-MUON_GROUP_KEYS = frozenset(o.name for o in options_of(MUON) if o.name != ROW_BLOCKS_KEY)
-ADAMW_GROUP_KEYS = frozenset(o.name for o in options_of(ADAMW))
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 def default_param_groups(
@@ -118,19 +110,6 @@ def find_hidden_shards(model_parts: Sequence[nn.Module]) -> list[str]:
     return found
 
 
-def _resolve_callable(spec: str) -> Callable:
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"qk_logits_fn must be 'package.module:function', got {spec!r}")
-    fn = importlib.import_module(module)
-    for part in attr.split("."):
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise ValueError(f"qk_logits_fn {spec!r} is not callable")
-    return fn
-
-
-FUSED_QKV_ORTHOGONALIZATION = ("split", "per_head", "whole")
 
 
 class MuonOptimizersContainer(OptimizersContainer):
@@ -200,7 +179,7 @@ class MuonOptimizersContainer(OptimizersContainer):
     optimizers: list[Muon]
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        self._check_config(config)
+        check_config(config)
         hidden = find_hidden_shards(model_parts)
         if hidden:
             raise ValueError(
@@ -212,24 +191,24 @@ class MuonOptimizersContainer(OptimizersContainer):
             )
         self.model_parts = model_parts
         layouts = attention_layouts(model_parts)
-        self.qk_clip_config = self._qk_clip_config(config, layouts)
+        self.qk_clip_config = qk_clip_config(config, layouts)
         self.record_max_logits_every = config.record_max_logits_every
-        self.record_max_logits_dtype = _DTYPES[config.record_max_logits_dtype]
+        self.record_max_logits_dtype = DTYPES[config.record_max_logits_dtype]
         self._qk_logits_fn: QKLogitsFn | None = None
         if config.qk_logits_fn is not None:
-            self.set_qk_logits_fn(_resolve_callable(config.qk_logits_fn))
-        row_blocks = self._fused_row_blocks(config.fused_qkv_orthogonalization, layouts)
+            self.set_qk_logits_fn(resolve_callable(config.qk_logits_fn))
+        row_blocks = fused_row_blocks(config.fused_qkv_orthogonalization, layouts)
 
         self.optimizers = []
         self._qk_layers: list[set] = []
         all_params: list[nn.Parameter] = []
         for part_index, part in enumerate(model_parts):
-            groups = self._muon_param_groups(part, config.param_groups, part_index, row_blocks)
-            layers = self._layers_with_q(groups)
+            groups = muon_param_groups(part, config.param_groups, part_index, row_blocks)
+            layers = layers_with_q(self.qk_clip_config, groups)
             opt = Muon(
                 groups,
                 eps=config.ns_eps,
-                compute_dtype=None if config.compute_dtype is None else _DTYPES[config.compute_dtype],
+                compute_dtype=None if config.compute_dtype is None else DTYPES[config.compute_dtype],
                 # a pipeline stage without attention weights clips nothing (the library refuses an
                 # empty QK-clip config); whether the model has any is checked below
                 qk_clip=self.qk_clip_config if layers else None,
@@ -257,160 +236,6 @@ class MuonOptimizersContainer(OptimizersContainer):
     def qk_layers(self) -> set:
         """Layer keys of the query/key weights this container clips (over all model parts)."""
         return set().union(*self._qk_layers)
-
-    # ------------------------------------------------------------------ building
-
-    @staticmethod
-    def _check_config(config: Config) -> None:
-        if config.implementation != "auto":
-            raise ValueError(
-                f"MuonOptimizersContainer: implementation={config.implementation!r} is not used by Muon, which "
-                "picks AdamW's kernel itself (fused on CUDA, foreach elsewhere); leave it at 'auto'."
-            )
-        if config.compute_dtype is not None and config.compute_dtype not in _DTYPES:
-            raise ValueError(
-                f"MuonOptimizersContainer: compute_dtype must be one of {sorted(_DTYPES)} or None, "
-                f"got {config.compute_dtype!r}"
-            )
-        if config.fused_qkv_orthogonalization not in FUSED_QKV_ORTHOGONALIZATION:
-            raise ValueError(
-                "MuonOptimizersContainer: fused_qkv_orthogonalization must be one of "
-                f"{FUSED_QKV_ORTHOGONALIZATION}, got {config.fused_qkv_orthogonalization!r}"
-            )
-        every = config.record_max_logits_every
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(
-                f"MuonOptimizersContainer: record_max_logits_every must be a positive int (record every N-th "
-                f"step) or None, got {every!r}"
-            )
-        if config.record_max_logits_dtype not in ("float32", "bfloat16"):
-            raise ValueError(
-                "MuonOptimizersContainer: record_max_logits_dtype must be 'float32' or 'bfloat16', got "
-                f"{config.record_max_logits_dtype!r}"
-            )
-        if config.qk_clip_threshold is None:
-            for name in ("qk_logits_fn", "record_max_logits_every"):
-                if getattr(config, name) is not None:
-                    raise ValueError(
-                        f"MuonOptimizersContainer: {name} is set but qk_clip_threshold is None; set the threshold "
-                        f"to enable QK-clip, or drop {name}."
-                    )
-        if config.qk_logits_fn is not None and every is not None:
-            raise ValueError(
-                "MuonOptimizersContainer: qk_logits_fn and record_max_logits_every are both set; QK-clip takes "
-                "its logits from one source: keep one of them."
-            )
-
-    @staticmethod
-    def _qk_clip_config(config: Config, layouts: Sequence[AttentionLayout]) -> QKClipConfig | None:
-        if config.qk_clip_threshold is None:
-            return None
-        normed = [a.fqn for a in layouts if a.qk_norm]
-        if normed:
-            raise ValueError(
-                f"MuonOptimizersContainer: QK-clip scales the rows of the query/key projections, but {normed[:3]}"
-                f"{' ...' if len(normed) > 3 else ''} RMS-normalise q and k per head after them (q_norm/k_norm, "
-                "as qwen3 does), which undoes that scaling: QK-clip would change nothing. QK-norm bounds the "
-                "logits itself; leave qk_clip_threshold unset for this model."
-            )
-        kinds = {a.kind for a in layouts}
-        patterns = dict(q_patterns=config.qk_clip_q_patterns, k_patterns=config.qk_clip_k_patterns)
-        if "mla" in kinds:
-            if kinds != {"mla"}:
-                raise ValueError(
-                    "MuonOptimizersContainer: the model mixes multi-head latent attention with other attention "
-                    f"({sorted(kinds)}); one QK-clip config describes one kind. Build optimizer.Muon with "
-                    "QKClipConfig(classify=...) by hand for such a model."
-                )
-            if config.qk_clip_head_dim is not None:
-                raise ValueError(
-                    "MuonOptimizersContainer: qk_clip_head_dim is set, but the model uses multi-head latent "
-                    "attention, whose head sizes are read from its attention modules; leave it None."
-                )
-            mla = single((a.mla for a in layouts), "MLA head sizes", "QK-clip needs one MLAHeads for every layer.")
-            base = QKClipConfig(threshold=config.qk_clip_threshold, mla=mla, **patterns)
-        else:
-            fused = None
-            if "fused" in kinds:
-                check_known_fused(layouts, "QK-clip needs the row order of q and k")
-                fused = single((a.fused for a in layouts if a.kind == "fused"), "fused wqkv layouts",
-                                "QK-clip needs one FusedQKV for every fused layer.")
-            head_dim = config.qk_clip_head_dim
-            if head_dim is None and "separate" in kinds:
-                head_dim = single((a.head_dim for a in layouts if a.kind == "separate"), "head_dim",
-                                   "set qk_clip_head_dim.")
-            elif head_dim is None and fused is None:
-                raise ValueError(
-                    "MuonOptimizersContainer: set qk_clip_head_dim; the model parts have no torchtitan attention "
-                    "module to read it from."
-                )
-            base = QKClipConfig(head_dim=head_dim, threshold=config.qk_clip_threshold, fused_qkv=fused, **patterns)
-        return dataclasses.replace(base, classify=TorchtitanQKRoles(base))
-
-    @staticmethod
-    def _fused_row_blocks(mode: str, layouts: Sequence[AttentionLayout]) -> dict[str, Any]:
-        """``{fused weight FQN: row-block spec}`` for Muon's ``muon_row_blocks`` (empty for "whole")."""
-        if mode == "whole":
-            return {}
-        check_known_fused(layouts, f"fused_qkv_orthogonalization={mode!r} needs the row order of q, k and v "
-                                    "(or set it to 'whole')")
-        return {a.fused_weight: a.fused if mode == "split" else SplitQKV(a.fused, per_head=True)
-                for a in layouts if a.kind == "fused"}
-
-    @staticmethod
-    def _muon_param_groups(part: nn.Module, configs: Sequence[ParamGroupConfig], part_index: int,
-                           row_blocks: Mapping[str, Any]) -> list[dict]:
-        """Muon param groups for one model part: torchtitan's first-match-wins regex grouping."""
-        claimed: set[int] = set()
-        groups = []
-        named = [(n, p) for n, p in part.named_parameters() if p.requires_grad]
-        for pg in configs:
-            if pg.optimizer_name not in ("Muon", "AdamW"):
-                raise ValueError(
-                    f"MuonOptimizersContainer: param group '{pg.pattern}' has optimizer_name "
-                    f"{pg.optimizer_name!r}; use 'Muon' for matrices or 'AdamW' for the rest (one Muon runs both)."
-                )
-            allowed = MUON_GROUP_KEYS if pg.optimizer_name == "Muon" else ADAMW_GROUP_KEYS
-            unknown = sorted(set(pg.optimizer_kwargs) - allowed)
-            if unknown:
-                raise ValueError(
-                    f"MuonOptimizersContainer: param group '{pg.pattern}' ({pg.optimizer_name}) has unknown "
-                    f"optimizer_kwargs {unknown}; allowed: {sorted(allowed)}."
-                )
-            pattern = re.compile(pg.pattern)
-            matched = [(n, p) for n, p in named if id(p) not in claimed and pattern.search(n)]
-            if not matched:
-                raise ValueError(
-                    f"MuonOptimizersContainer: param group pattern '{pg.pattern}' matched no parameter of model "
-                    f"part {part_index}; remove it or fix the pattern."
-                )
-            claimed.update(id(p) for _, p in matched)
-            names = [canonical_fqn(n) for n, _ in matched]
-            group = {"params": [p for _, p in matched], "param_names": names,
-                     "use_muon": pg.optimizer_name == "Muon", **pg.optimizer_kwargs}
-            blocks = {n: row_blocks[n] for n in names if n in row_blocks}
-            if group["use_muon"] and blocks:
-                group[ROW_BLOCKS_KEY] = blocks
-            groups.append(group)
-        missing = [canonical_fqn(n) for n, p in named if id(p) not in claimed]
-        if missing:
-            raise ValueError(
-                f"MuonOptimizersContainer: no param group pattern matches {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''} (model part {part_index}); end the list with a catch-all "
-                "pattern '.*'."
-            )
-        return groups
-
-    def _layers_with_q(self, groups: Sequence[dict]) -> set:
-        """Layers with a query, key or fused weight among ``groups``' parameters.
-
-        That every such layer has both its query and its key weight, in Muon groups, is checked
-        by Muon itself when it is built (one error naming the weights).
-        """
-        if self.qk_clip_config is None:
-            return set()
-        return {role[0] for group in groups for name in group["param_names"]
-                for role in [self.qk_clip_config.classify(name)] if role is not None}
 
     # ------------------------------------------------------------------ stepping
 

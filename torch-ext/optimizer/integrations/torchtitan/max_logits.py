@@ -53,7 +53,7 @@ class MaxLogitRecorder:
     L^2 * D`` flops per layer, unfused and over every (query, key) pair, also those a causal mask
     hides — in chunks of queries that hold at most ``[B, H, chunk, L]`` scores (64 MiB by
     default), in ``compute_dtype`` (float32 by default, so the max is not rounded to bf16: on GPUs
-    fp32 matmuls are several times slower than bf16 ones). README "torchtitan" has a measurement. ``every=N`` records only the forwards of every N-th step (the other steps
+    fp32 matmuls are several times slower than bf16 ones). docs/torchtitan.md (Max logits) has a measurement. ``every=N`` records only the forwards of every N-th step (the other steps
     return None: Muon does not clip then). Not recorded: forwards without grad (validation) and
     activation-checkpointing recomputation during backward. Under ``torch.compile`` the hook
     runs eagerly (a graph break per attention module).
