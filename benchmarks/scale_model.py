@@ -29,7 +29,12 @@ Assumptions (stated again in the Markdown output):
   also the planner's cost callback).  Ideal = one copy of the model's FLOPs / world
   size.  Lower bound (LB) = max(FLOPs the plan runs in the world / world size, its
   largest unit): with "never", R copies are run, so LB is R times the ideal.
-- Busiest rank: its owned jobs plus the units it orthogonalises where they are.
+- Busiest rank: its owned jobs plus the units it orthogonalises where they are, plus, where
+  experts held whole move (``ns_split="auto"``, ``plan_moves.py``), its transfers: the blocks it
+  sends out and the updates it takes back (or receives and returns), at NVLink inside a node and
+  at its own InfiniBand NIC between nodes, not overlapped (``plan_moves.move_seconds``, in
+  FLOP-equivalents at the device's rate; they count in chunk 0 of the critical path).  The
+  planner keeps moves only where that step beats keeping the experts home.
 - Chunked critical path: ranks meet at every chunk's all-to-alls, so compute time is
   about the sum over chunks (all patterns, plan order) of the busiest rank's load in
   that chunk (``owners.chunked_critical_path``); the units a rank holds whole run
@@ -87,6 +92,7 @@ from optimizer.distributed.layout import MeshGrid, ParamLayout  # noqa: E402
 from optimizer.step_context import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
 from optimizer.newton_schulz import newton_schulz_flops  # noqa: E402
 from optimizer.parallel.owners import chunked_critical_path  # noqa: E402
+from optimizer.parallel.plan_moves import move_bytes, move_seconds  # noqa: E402
 from optimizer.parallel.plan import (PlanParam, PlanSettings, WorldJob, ns_workspace,  # noqa: E402
                                      split_workspace, world_view)
 from optimizer.parallel.split_newton_schulz import CUDA_NVLINK, SplitHardware  # noqa: E402
@@ -99,7 +105,8 @@ NS_SPLITS = ("never", "auto")
 HARDWARE = CUDA_NVLINK  # what ns_split="auto" plans with (the optimizer's CUDA figures)
 # --split-hardware free: the split's collectives cost nothing (perfectly overlapped): a bound
 FREE_LINK = SplitHardware("free communication (the split's collectives fully overlapped: a bound)",
-                          CUDA_NVLINK.bf16_flops, CUDA_NVLINK.fp32_flops, 1e18, 0.0, CUDA_NVLINK.compute_dtype)
+                          CUDA_NVLINK.bf16_flops, CUDA_NVLINK.fp32_flops, 1e18, 0.0, CUDA_NVLINK.compute_dtype,
+                          device="cuda")
 SPLIT_HARDWARE = {"cuda": CUDA_NVLINK, "free": FREE_LINK}
 DEFAULT_RANKS = [8, 16, 32, 64, 128, 256, 512, 1024]
 DEFAULT_HSDP = ["2x4", "2x32", "4x64", "8x64", "8x128", "16x64"]
@@ -110,15 +117,18 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MiB = 2**20
 
 
-# The Newton-Schulz compute dtype the model assumes: CUDA's default, bf16, where
-# ns_method="auto" keeps the classic form for every shape (the Gram form would need a
-# restart every step).  Costs are those of the form auto picks, as the optimizer's are.
-NS_DTYPE = torch.bfloat16
+# The Newton-Schulz compute dtype the model assumes: the user's default (None) on CUDA, where
+# ns_method="auto" runs the classic form in bf16 or, where it saves FLOPs (long side > 1.5x the
+# short), the Gram form in fp16 with fp16's restart plan (2 + 2 + 1 steps for "fixed": see
+# newton_schulz.choose_ns_form).  Costs are those of the form and dtype auto picks, as the
+# optimizer's are (step_context.ns_cost), and the split's cost model takes the same choice.
+NS_DTYPE = None
+NS_DEVICE = "cuda"
 
 
 def _ns_cost(shape, ns_steps: int) -> float:
     """Newton-Schulz FLOPs of one unit: every cost in this model goes through here."""
-    return float(newton_schulz_flops(shape, ns_steps, "auto", NS_DTYPE))
+    return float(newton_schulz_flops(shape, ns_steps, "auto", NS_DTYPE, "fixed", NS_DEVICE))
 
 
 def _item(dtype: torch.dtype) -> int:
@@ -173,7 +183,8 @@ def titan_expert_dim(model: ModelShapes, shards: int) -> int | None:
 
 
 def split_model(ns_split: str | None, ns_steps: int) -> SplitModel | None:
-    """``ns_split``'s cost model as the optimizer builds it on CUDA (bf16, the CUDA_NVLINK figures)."""
+    """``ns_split``'s cost model as the optimizer builds it on CUDA (compute_dtype None: bf16 classic,
+    fp16 Gram; the CUDA_NVLINK figures)."""
     if ns_split in (None, "never"):
         return None
     return SplitModel.of(ns_split, HARDWARE, ns_steps, "auto", "fixed", NS_DTYPE)
@@ -220,6 +231,9 @@ class WorldPlan:
     flops: list[float]  # NS matmul FLOPs per rank (a cut unit's block: its member's share, not its time)
     split_sent: list[int]  # bytes per rank sent (= received) in the split iterations' collectives
     split_units: dict  # k -> how many units are cut into k blocks
+    move_s: list[float]  # seconds per rank moving experts out and their updates back (plan_moves.move_seconds)
+    move_load: list[float]  # the same in FLOP-equivalents, counted in ``load`` and the critical path
+    move_sent: list[int]  # bytes per rank sent in the moves (blocks out, updates back; also in ``sent``)
 
 
 def _max_piece(lay: ParamLayout, cut=None, ndim: int = 2) -> tuple[int, int]:
@@ -263,6 +277,7 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
         flops[r] += local_load[r]
 
     sent, received, exchange_sent = [0] * world, [0] * world, [0] * world
+    move_s, move_load, move_sent = [0.0] * world, [0.0] * world, [0] * world
     world_bytes = {"gather": 0, "scatter": 0, "exchange": 0, "exchange_payload": 0, "moves": 0}
     chunk_buffers: list[list[int]] = []
     chunk_exchange: list[list[bool]] = []  # [chunk][rank]: a replica all-gather follows its scatter
@@ -276,6 +291,13 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
             base = len(all_costs)
             _measure_moves(params, jobs, chunks, compute_bytes, load, flops, split_sent, split_units, units,
                            sent, received, world_bytes, chunk_buffers, chunk_exchange, workspace)
+            # the moves' transfers (not overlapped: plan_moves decides on the same figures)
+            model = params[jobs[0].param].split
+            for r, t in move_seconds(params, jobs, model.hardware).items():
+                move_s[r] += t
+                move_load[r] += t * model.hardware.rate(model.dtype)
+            for r, b in move_bytes(params, jobs).items():
+                move_sent[r] += b
             all_costs += [j.cost for j in jobs]
             all_owners += [j.owner for j in jobs]
             all_chunks += [[base + k for k in chunk] for chunk in chunks]
@@ -348,10 +370,13 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
             chunk_exchange.append(exchanged)
             workspace.append(spaces)
 
-    # Critical path: units held whole count in chunk 0 (they run while its gathers travel).
-    local_items = [r for r in range(world) if local_load[r] > 0]
+    # Critical path: units held whole count in chunk 0 (they run while its gathers travel), and
+    # so do the moves' transfers (a rank's total: a bound, as if its transfers ran back to back).
+    for r in range(world):
+        load[r] += move_load[r]
+    local_items = [r for r in range(world) if local_load[r] + move_load[r] > 0]
     lead = [len(all_costs) + k for k in range(len(local_items))]
-    costs = all_costs + [local_load[r] for r in local_items]
+    costs = all_costs + [local_load[r] + move_load[r] for r in local_items]
     owners = all_owners + local_items
     chunks = [list(c) for c in all_chunks] or [[]]
     chunks[0] += lead
@@ -374,7 +399,8 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
             best = max(best, sum(chunk_buffers[c][r] for c in live) + workspace[k][r])
         peak[r] = best
     return WorldPlan(patterns, load, local_load, sent, received, exchange_sent, world_bytes,
-                     chunk_buffers, peak, critical, units, flops, split_sent, split_units)
+                     chunk_buffers, peak, critical, units, flops, split_sent, split_units, move_s, move_load,
+                     move_sent)
 
 
 def _cut_cost(params, j):
@@ -485,6 +511,10 @@ def evaluate(model: ModelShapes, layout: Layout, replica_split: str | None, args
         "busiest_over_lower_bound": busiest / lower,
         "cut_lower_bound_over_ideal": None if cut_bound is None else cut_bound / ideal,
         "moved_units": sum(1 for jobs, _ in plan.patterns for j in jobs if j.holder >= 0 and j.owner != j.holder),
+        "move_sent_per_rank_max": max(plan.move_sent),
+        "move_s_per_rank_max": max(plan.move_s),
+        "busiest_move_s": plan.move_s[busiest_rank],
+        "busiest_over_ideal_without_moves": max(a - b for a, b in zip(plan.load, plan.move_load)) / ideal,
         "largest_unit_over_ideal": largest[0] / ideal,
         "largest_unit": {"param": params[largest[1]].name, "shape": list(largest[2])},
         "ranks_idle": sum(1 for x in plan.load if x == 0),
@@ -596,7 +626,11 @@ def split_line(key, rows) -> str:
     experts = "" if d is None else f", experts Shard({d})"
     cut = ", ".join(f"{v} over {k}" for k, v in au["cut_units"].items()) or "none"
     if au.get("moved_units"):
-        cut += f"; {au['moved_units']} expert units moved to ranks holding none"
+        cut += (f"; {au['moved_units']} expert units moved ({_fmt_bytes(au['move_sent_per_rank_max'])} MiB sent "
+                f"per rank max, {au['move_s_per_rank_max'] * 1e3:.1f} ms of transfers per rank max, "
+                f"{au['busiest_move_s'] * 1e3:.1f} ms on the busiest rank, counted in its load)")
+    elif nv.get("expert_dim") == 0:
+        cut += "; experts kept home (no move pays for its transfers)"
     return (f"{model} {layout} @ {ranks}{experts}: {split_verdict(au)} {SPLIT_TARGET:.2f}x: busiest "
             f"{nv['busiest_over_ideal']:.2f}x -> {au['busiest_over_ideal']:.2f}x, critical path "
             f"{nv['critical_path_over_ideal']:.2f}x -> {au['critical_path_over_ideal']:.2f}x (modelled time); "

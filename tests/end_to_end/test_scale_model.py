@@ -90,7 +90,9 @@ def _key(r):
 
 
 def _flops(shape) -> float:
-    return float(newton_schulz_flops(shape, 5))
+    """What CUDA runs by default (compute_dtype None): the classic form in bf16, or the Gram form
+    in fp16 where "auto" takes it (newton_schulz.choose_ns_form)."""
+    return float(newton_schulz_flops(shape, 5, "auto", None, "fixed", "cuda"))
 
 
 def _splits_auto(shape) -> bool:
@@ -256,13 +258,19 @@ def test_the_issue_at_1024_ranks(bench, models):
     """Llama-3-70B at 1,024 FSDP ranks: its [28672, 8192] gate/up/down alone were 3.41x the ideal;
     on the calibrated CUDA figures the cost model cuts them over eight ranks, two to a group (each
     pair one call whose halves interleave), and q/o over four: the busiest rank drops to about
-    1.5x, still above 1.25x but above a bound no whole-or-cut plan can beat (split_bound.py)."""
+    1.6x (1.5x when the model priced the classic bf16 form; CUDA's default Gram form in fp16 makes
+    the ideal share 20% smaller, the Gram all-reduces not), still above 1.25x but above a bound no
+    whole-or-cut plan can beat (split_bound.py)."""
     args = SimpleNamespace(ns_steps=5, wire_dtype="bf16", chunk_size=None, lookahead=1, state_bytes=4,
                            compute_bytes=2, replica_flops_per_byte=AUTO)
     never = bench.evaluate(models["llama3-70b"], bench.Layout(1, 1024, None), None, args, "never")
     auto = bench.evaluate(models["llama3-70b"], bench.Layout(1, 1024, None), None, args, "auto")
-    assert never["busiest_over_ideal"] == pytest.approx(3.406, abs=1e-3)
-    assert auto["busiest_over_ideal"] < 1.6 and auto["critical_path_over_ideal"] < 1.6
+    # never: the busiest rank holds one gate/up/down whole (3.41x with the classic bf16 count; the
+    # Gram form in fp16, which CUDA runs by default for these shapes, lowers the ratio to 3.24x)
+    params = models["llama3-70b"].muon_params
+    largest = max(_flops(s) for _, s in params) / (sum(_flops(s) for _, s in params) / 1024)
+    assert never["busiest_over_ideal"] == pytest.approx(largest, rel=1e-9)
+    assert auto["busiest_over_ideal"] < 1.65 and auto["critical_path_over_ideal"] < 1.65
     assert auto["cut_units"] == {"4": 160, "8": 240}  # 80 layers x (q, o) over 4 and (gate, up, down) over 8
     assert 1.0 < auto["cut_lower_bound_over_ideal"] <= auto["busiest_over_ideal"]
     assert auto["split_sent_per_rank_max"] > 0 and auto["total_sent_per_rank_max"] > never["total_sent_per_rank_max"]
@@ -468,7 +476,13 @@ def test_owners_loads_and_bytes_are_the_optimizers(bench, models, case, monkeypa
     per_chunk, local = [], []  # [rank][chunk] owned FLOPs, [rank] FLOPs of units held whole
     for rank in range(math.prod(mesh)):
         step = build_plan(params, rank, settings, lambda ranks, mesh, dims: tuple(ranks))
-        assert plan.load[rank] == pytest.approx(step.load, rel=1e-12), rank
+        # the moves' transfers (blocks out, updates back; one link here, FREE's) count in the model's
+        # load: 2 x max(bytes out, bytes in) at the link's rate, from the all-to-alls' splits
+        out = sum(c.send_numel - c.send_splits[c.member] for c in step.chunks if isinstance(c, MoveChunk))
+        into = sum(c.recv_numel - c.recv_splits[c.member] for c in step.chunks if isinstance(c, MoveChunk))
+        moving = 2 * max(out, into) * 2 / FREE.bandwidth * FREE.bf16_flops if model_split else 0.0
+        assert plan.move_load[rank] == pytest.approx(moving, rel=1e-9, abs=1e-12), rank
+        assert plan.load[rank] == pytest.approx(step.load + moving, rel=1e-12), rank
         assert plan.sent[rank] == step.bytes_sent, rank
         assert plan.received[rank] == step.bytes_received, rank
         assert max((c[rank] for c in plan.chunk_buffers), default=0) == step.peak_chunk_bytes, rank
@@ -476,7 +490,7 @@ def test_owners_loads_and_bytes_are_the_optimizers(bench, models, case, monkeypa
         assert plan.peak[rank] == _expected_peak(step), rank
         assert plan.split_sent[rank] == step.split_bytes, rank
         per_chunk.append([chunk_costs(c) for c in step.chunks])
-        local.append(sum(_flops(j.shape) for j in step.local))
+        local.append(sum(_flops(j.shape) for j in step.local) + plan.move_load[rank])  # transfers: in chunk 0
     # Units held whole run while chunk 0's gathers travel: they count in chunk 0.
     chunks = len(per_chunk[0])
     path = sum(max(loads[k] + (local[r] if k == 0 else 0) for r, loads in enumerate(per_chunk))

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from harness import run_ranks
-from optimizer.newton_schulz import newton_schulz_flops, zeropower_via_newtonschulz
+from optimizer.newton_schulz import choose_ns_form, gram_restart_plan, newton_schulz_flops, zeropower_via_newtonschulz
 from optimizer.parallel.split_newton_schulz import (
     CPU_GLOO,
     CUDA_NVLINK,
@@ -564,6 +564,37 @@ def test_cost_model_bytes_and_collectives():
     tall, wide = split_ns_cost((n, m), k, 5), split_ns_cost((m, n), k, 5)
     assert (tall.flops_per_rank, tall.bytes_per_rank, tall.collectives) == \
         (wide.flops_per_rank, wide.bytes_per_rank, wide.collectives)
+
+
+def test_cost_model_prices_the_form_and_dtype_the_unsplit_call_runs():
+    """The model takes the user's compute dtype (None: the device's, per form) and prices what runs
+    there: on CUDA with None a wide matrix's Gram form in fp16 with fp16's restart plan, a square
+    one's classic form in bf16; on CPU fp32. Reference: choose_ns_form / gram_restart_plan /
+    newton_schulz_flops called here, and the bytes written out per segment."""
+    plans = set()
+    for hw in (CUDA_NVLINK, CPU_GLOO):
+        for shape in [(1024, 4096), (4096, 1024), (4096, 4096), (4, 512, 2048)]:
+            for dtype in (None, torch.bfloat16, torch.float16, torch.float32):
+                form, run = choose_ns_form(shape, 5, "auto", dtype, "fixed", hw.device_type)
+                plan = gram_restart_plan("fixed", 5, run) if form == "gram" else (1,) * 5
+                whole = split_ns_cost(shape, 1, 5, "auto", dtype, "fixed", hardware=hw)
+                assert whole.flops == newton_schulz_flops(shape, 5, "auto", dtype, "fixed", hw.device_type)
+                k, m = 4, min(shape[-2:])
+                batch = math.prod(shape[:-2])
+                c = split_ns_cost(shape, k, 5, "auto", dtype, "fixed", "replicated", hw, recursion="redundant")
+                assert (c.form, c.plan) == (form, plan), (hw.name, shape, dtype)
+                ring = 2 * (k - 1) / k  # first all-reduce in fp32 (Gram + norm), then one per segment in `run`
+                expected = ring * batch * (m * m + 1) * 4 + (len(plan) - 1) * ring * batch * m * m * run.itemsize
+                assert c.bytes_per_rank == round(expected)
+                assert c.collectives == len(plan) * (2 if batch >= 2 else 1)  # a batch runs as two halves, once
+                plans.add(plan)
+    # what CUDA runs by default for a wide matrix: fp16 Gram segments longer than one step, and a
+    # one-step segment (a classic step) among them; fp32 one segment; bf16 all ones
+    assert split_ns_cost((1024, 4096), 4, 5, hardware=CUDA_NVLINK).form == "gram"
+    fp16 = gram_restart_plan("fixed", 5, torch.float16)
+    assert fp16 in plans and max(fp16) > 1 and min(fp16) == 1
+    assert (5,) in plans and (1,) * 5 in plans
+    assert split_ns_cost((4096, 4096), 4, 5, hardware=CUDA_NVLINK).form == "classic"
 
 
 def test_b_split_choice():

@@ -7,8 +7,15 @@ them (7.8x the ideal share).  Here such units move: a holder keeps units while i
 within the ideal share (:data:`SPILL_SLACK`), and the rest spill to whichever ranks are least
 loaded, whole or cut over an aligned group of ranks exactly as ``ns_split`` cuts a dense matrix
 (``split_plan.choose_ks`` and ``assign`` decide, with what the other patterns already put on each
-rank as the starting loads).  The moves are kept only if they lower the busiest rank by
-:data:`~.split_plan.MIN_GAIN`.
+rank as the starting loads).
+
+Moves cost time: a holder ships its units out and takes their updates back, through NVLink inside
+a node and through its own NIC between nodes (Qwen3-235B's experts on ``Shard(0)`` at 1,024 ranks:
+up to 3.4 GB out per rank per step, longer over 45 GB/s InfiniBand than the Newton–Schulz it
+would balance).  So each rank's step is modelled as its Newton–Schulz load plus its transfer time
+(:func:`move_seconds`, the cost model's link figures, in FLOP-equivalents at the device's rate),
+for a few ways of deciding how much each holder keeps (:data:`KEEP_LEVELS`); the best is kept
+only if that step beats not moving by :data:`~.split_plan.MIN_GAIN`, else the experts stay home.
 
 Transport (``MoveChunk``, ``moves.py``): one all-to-all over the mesh's ranks takes each block from
 its holder to its owner, one brings the update back; a block is a whole expert range (or its slice
@@ -22,6 +29,7 @@ Pure: every rank computes the same moves (:func:`plan_moves`) and then its own p
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -30,11 +38,16 @@ from .owners import cut_chunks
 from .plan_types import MoveChunk, Owned, Pack, PlanParam, SplitOwned, Update, row_slots
 from .plan_world import (TARGET_UNIT_FRACTION, _cut_units_together, _Job, _unit_options, _units, batch_costs,
                          pair_key)
-from .split_plan import (MIN_GAIN, Cut, assign_paired, block_widths, choose_ks, cut_blocks, cut_dim, movable_layout,
-                         sub_shape)
+from .split_plan import (MIN_GAIN, Cut, UnitOptions, assign_paired, block_widths, choose_ks, cut_blocks, cut_dim,
+                         movable_layout, sub_shape)
 
 # A holder keeps units while its load stays within this fraction above the ideal share.
 SPILL_SLACK = 0.02
+# How many shares a holder may keep before it spills, spaced geometrically from the ideal share to
+# the busiest holder's load: the plan with the shortest modelled step (Newton-Schulz plus the
+# moves' transfers) among them wins.  Keeping more ships fewer bytes; where the links are slow
+# against the products, the best keeps everything (no moves).
+KEEP_LEVELS = 8
 
 
 def movable(p: PlanParam) -> bool:
@@ -101,33 +114,71 @@ def plan_moves(params: Sequence[PlanParam], members: Sequence[int], loads: dict[
             units.append(_Job(i, b, leading, shape, cost, ranks, None, h, holder=h))
     options = [_unit_options(params[u.param], u, split=False) for u in units]
     # Which units are cut, as if every unit could go anywhere; those spill.  The others: holders
-    # keep them (largest first) while they fit under the ideal share (or the largest whole
+    # keep them (largest first) while they fit under a share of the ideal (or the largest whole
     # unit, which no placement avoids); the rest spill, to the least-loaded ranks.
     keys = [pair_key(params, u) for u in units]
     cuts = choose_ks(options, world, lambda: base, keys) or [1] * len(units)
-    target = max([ideal, *(u.cost for u, k in zip(units, cuts) if k == 1)]) * (1 + SPILL_SLACK)
-    load = dict(base)
-    spilled: list[int] = []
-    for n in sorted(range(len(units)), key=lambda n: (units[n].holder, -units[n].cost, n)):
-        u = units[n]
-        if cuts[n] == 1 and load[u.holder] + u.cost <= target:
-            load[u.holder] += u.cost
-        else:
-            spilled.append(n)
-    ks = [cuts[n] for n in spilled]
-    owners, after = assign_paired([options[n] for n in spilled], ks, load, [keys[n] for n in spilled])
-    if max(after.values(), default=0.0) > busiest * (1 - MIN_GAIN):
+    model = params[members[0]].split
+    rate = model.hardware.rate(model.dtype)
+    best, best_step, tried = None, busiest * (1 - MIN_GAIN), set()
+    whole = [1] * len(units)
+    # every keep factor with the chosen cuts, then with every unit whole (a cut unit always spills:
+    # where the links are slow, keeping it whole at home may be the better plan), then whole units
+    # spilled only inside their holder's node (where the links between nodes are the slow ones)
+    factors = [(busiest / ideal) ** (i / KEEP_LEVELS) for i in range(KEEP_LEVELS)]
+    variants = [(f, cuts, options) for f in factors]
+    if cuts != whole:
+        variants += [(f, whole, options) for f in factors]
+    hw = model.hardware
+    if 0 < hw.node_size < world:
+        nodes: dict[int, tuple[int, ...]] = {}
+        for r in ranks:
+            nodes.setdefault(hw.node_of(r), ())
+            nodes[hw.node_of(r)] += (r,)
+        local = [UnitOptions(u.cost, nodes[hw.node_of(u.holder)]) for u in units]
+        variants += [(f, whole, local) for f in factors]
+    for factor, cut, allowed in variants:
+        largest = max([0.0, *(u.cost for u, k in zip(units, cut) if k == 1)])
+        target = max(ideal * factor, largest) * (1 + SPILL_SLACK)
+        load = dict(base)
+        spilled: list[int] = []
+        for n in sorted(range(len(units)), key=lambda n: (units[n].holder, -units[n].cost, n)):
+            u = units[n]
+            if cut[n] == 1 and load[u.holder] + u.cost <= target:
+                load[u.holder] += u.cost
+            else:
+                spilled.append(n)
+        ks = [cut[n] for n in spilled]
+        if not spilled or (tuple(spilled), tuple(ks), id(allowed)) in tried:
+            continue
+        tried.add((tuple(spilled), tuple(ks), id(allowed)))
+        owners, after = assign_paired([allowed[n] for n in spilled], ks, load, [keys[n] for n in spilled])
+        jobs = _move_jobs(units, options, dict(zip(spilled, zip(ks, owners))), ranks)
+        moving = move_seconds(params, jobs, model.hardware)
+        step = max(after.get(r, 0.0) + moving.get(r, 0.0) * rate for r in ranks)
+        if step < best_step:
+            best, best_step = jobs, step
+    if best is None:  # no way of moving beats the experts staying home
         return None
-    # Every unit is a job of the moves, kept ones too (owner = holder: they go to their holder's own
-    # slot of the all-to-all): the chunks then hold similar work for every rank, kept or moved, and
-    # a holder's kept units do not run ahead of the chunks the others wait on.
-    chosen = {n: (k, owner) for n, k, owner in zip(spilled, ks, owners)}
+    jobs = best
+    order = _cut_units_together(jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size or world),
+                                params)
+    batch_costs(params, jobs, order)
+    return Moves(list(members), ranks, jobs, order)
+
+
+def _move_jobs(units: Sequence[_Job], options, chosen: dict[int, tuple[int, int]], ranks) -> list[_Job]:
+    """Every unit as a job of the moves, kept ones too (owner = holder: they go to their holder's
+    own slot of the all-to-all; the chunks then hold similar work for every rank, kept or moved,
+    and a holder's kept units do not run ahead of the chunks the others wait on); ``chosen``: the
+    spilled units' (k, owner or group index)."""
     jobs: list[_Job] = []
     for n, u in enumerate(units):
         k, owner = chosen.get(n, (1, u.holder))
         if k == 1:
-            u.owner = owner
-            jobs.append(u)
+            job = copy.copy(u)
+            job.owner = owner
+            jobs.append(job)
             continue
         opt = options[n]
         group = opt.groups(k)[owner]
@@ -137,10 +188,41 @@ def plan_moves(params: Sequence[PlanParam], members: Sequence[int], loads: dict[
             cut = Cut(dim, k, j)
             jobs.append(_Job(u.param, u.batch, u.leading, sub_shape(u.shape, cut, widths[j]), opt.member_cost(k),
                              ranks, None, rank, cut, group, widths, n, holder=u.holder))
-    order = _cut_units_together(jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size or world),
-                                params)
-    batch_costs(params, jobs, order)
-    return Moves(list(members), ranks, jobs, order)
+    return jobs
+
+
+def move_seconds(params: Sequence[PlanParam], jobs: Sequence[_Job], hardware) -> dict[int, float]:
+    """Modelled seconds each rank spends moving blocks (holder -> owner) and their updates back:
+    per direction the slowest of what it sends and receives inside its node (the node's link) and
+    between nodes (its own NIC: ``SplitHardware.transfer_s``), the two kinds of link running at
+    once; the way back moves the same bytes the other way, so twice that.  Not overlapped with the
+    products (a bound on what the runtime pays).  Only ranks that move something appear."""
+    sends: dict[tuple[int, bool], float] = {}
+    receives: dict[tuple[int, bool], float] = {}
+    for j in jobs:
+        if j.holder == j.owner or j.holder < 0:
+            continue
+        nbytes = math.prod(j.shape) * params[j.param].wire_dtype.itemsize
+        same = hardware.node_size <= 0 or hardware.node_of(j.holder) == hardware.node_of(j.owner)
+        sends[(j.holder, same)] = sends.get((j.holder, same), 0.0) + nbytes
+        receives[(j.owner, same)] = receives.get((j.owner, same), 0.0) + nbytes
+    out: dict[int, float] = {}
+    for table in (sends, receives):
+        for (r, same), nbytes in table.items():
+            out[r] = max(out.get(r, 0.0), hardware.transfer_s(nbytes, same))
+    return {r: 2 * t for r, t in out.items()}
+
+
+def move_bytes(params: Sequence[PlanParam], jobs: Sequence[_Job]) -> dict[int, int]:
+    """Bytes each rank sends in the moves (blocks out as a holder, updates back as an owner)."""
+    out: dict[int, int] = {}
+    for j in jobs:
+        if j.holder == j.owner or j.holder < 0:
+            continue
+        nbytes = math.prod(j.shape) * params[j.param].wire_dtype.itemsize
+        out[j.holder] = out.get(j.holder, 0) + nbytes
+        out[j.owner] = out.get(j.owner, 0) + nbytes
+    return out
 
 
 def kept_units(moves: Moves | None, i: int) -> list:

@@ -25,7 +25,8 @@ from typing import Sequence
 
 import torch
 
-from ..newton_schulz import CoefficientSpec, check_ns_method, choose_ns_method, gram_restart_plan, resolve_ns_coefficients
+from ..newton_schulz import (CoefficientSpec, check_ns_method, choose_ns_form, gram_restart_plan, ns_form_dtypes,
+                             resolve_ns_coefficients)
 from .owners import split_range_evenly
 
 B_SPLITS = ("auto", "replicated", "rows")
@@ -48,6 +49,9 @@ class SplitHardware:
     ``node_size`` ranks (consecutive global ranks) share a node; 0: every group is inside one.
     ``inter_bandwidth``: bytes/s of one rank's own link out of its node (one NIC per GPU).
     ``kernel_launch``: host seconds per kernel, so that a call of few FLOPs is launch-bound.
+    ``device``: the device type these figures describe ("cuda" or "cpu"; empty: "cuda" when
+    ``compute_dtype`` is 16-bit): with ``compute_dtype=None`` the form and the dtype it runs in
+    are the device's defaults (:func:`~optimizer.newton_schulz.choose_ns_form`), as at run time.
     """
 
     name: str
@@ -65,6 +69,23 @@ class SplitHardware:
     # interleaved: ``split_newton_schulz._interleaved``): 0 = free overlap, 1 = none (then the
     # halves cost what they cost one after the other).
     overlap_cost: float = 1.0
+    device: str = ""
+
+    @property
+    def device_type(self) -> str:
+        return self.device or ("cuda" if self.compute_dtype.itemsize == 2 else "cpu")
+
+    def form(self, shape: Sequence[int], ns_steps: int, method: str, compute_dtype: torch.dtype | None,
+             coefficients: CoefficientSpec = "fixed") -> tuple[str, torch.dtype]:
+        """The form and the dtype Newton–Schulz runs ``shape`` in on this device, for the user's
+        ``compute_dtype`` (None: the device's defaults): the unsplit call's own choice
+        (:func:`~optimizer.newton_schulz.choose_ns_form`), which the split iteration makes too."""
+        return choose_ns_form(shape, ns_steps, method, compute_dtype, coefficients, self.device_type)
+
+    def rate(self, compute_dtype: torch.dtype | None) -> float:
+        """FLOP/s of the products for the user's ``compute_dtype`` (None: the device's defaults;
+        both 16-bit forms run at one rate): what turns a modelled time into FLOP-equivalents."""
+        return self.flops(ns_form_dtypes(compute_dtype, self.device_type)["classic"])
 
     def flops(self, dtype: torch.dtype) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -150,6 +171,7 @@ CUDA_NVLINK = SplitHardware(
     inter_step_latency=14e-6,
     kernel_launch=22e-6,
     overlap_cost=0.1,
+    device="cuda",
 )
 
 # This machine (2-core AMD EPYC with AVX512-BF16, torch 2.13.0+cpu), one thread per rank, measured
@@ -166,6 +188,7 @@ CPU_GLOO = SplitHardware(
     bandwidth=1.2e9,
     latency=250e-6,
     compute_dtype=torch.float32,
+    device="cpu",
 )
 
 
@@ -308,6 +331,7 @@ def split_ns_cost(
     widths: Sequence[int] | None = None,
     recursion: str = "auto",
     units: int = 1,
+    interleave: bool = True,
 ) -> SplitCost:
     """FLOPs per rank, bytes per rank, collectives and modelled time of Newton-Schulz on ``shape``
     (``[..., m, n]``, either orientation: the long side is split) over k ranks; with ``units``,
@@ -316,9 +340,13 @@ def split_ns_cost(
     A batch of two or more matrices runs as two halves, interleaved (each half's collectives
     overlapping the other's products): its time is ``max(C + overlap_cost x min(C, M), M)`` plus
     one phase of the first half to fill the pipeline, C and M the halves' products and
-    collectives, and never more than the halves one after the other.
+    collectives, and never more than the halves one after the other (``interleave=False``: one
+    call's straight run, what each half is; the runtime halves a batch once).
 
-    ``dtype``: the compute dtype (None: the hardware's default); ``widths``: the members' block
+    ``dtype``: the compute dtype as the user set it (None: the device's defaults, per form); the
+    form and the dtype it runs in are :meth:`SplitHardware.form`'s, the unsplit call's own choice
+    for the whole shape (on CUDA with None: the Gram form in fp16 with fp16's restart plan where
+    it saves FLOPs, else the classic form in bf16), which the split iteration takes too; ``widths``: the members' block
     widths (default :func:`column_blocks`). FLOPs count the matmuls as
     :func:`~optimizer.newton_schulz.newton_schulz_flops` does (2 per multiply-add; k = 1 gives
     exactly its count), per member with block width w, s = min(m, n):
@@ -333,7 +361,6 @@ def split_ns_cost(
     the wide dtype (fp32 for bf16/fp32) and carries one more number per matrix (the norm).
     Elementwise work is ignored. Pure: the same answer on every rank."""
     hardware = hardware or CUDA_NVLINK
-    dtype = dtype or hardware.compute_dtype
     shape = tuple(int(d) for d in shape)
     if len(shape) < 2:
         raise ValueError(f"split_ns_cost needs a shape [..., m, n], got {shape}")
@@ -347,7 +374,7 @@ def split_ns_cost(
         widths = [sl.stop - sl.start for sl in column_blocks(l, k)] if k <= l else None
     if widths is None or len(widths) != k or sum(widths) != l or min(widths) < 1:
         raise ValueError(f"split_ns_cost: cannot split {l} columns over k={k} ranks as {widths}")
-    form = choose_ns_method(shape, ns_steps, method, dtype, steps)
+    form, dtype = hardware.form(shape, ns_steps, method, dtype, steps)  # dtype: what it runs in
     plan = gram_restart_plan(steps, ns_steps, dtype) if form == "gram" else (1,) * ns_steps
     rows = k > 1 and (b_split == "rows" or (b_split == "auto" and choose_b_split(shape, k, dtype, hardware) == "rows"))
     item, wide = dtype.itemsize, wide_dtype(dtype).itemsize
@@ -398,9 +425,10 @@ def split_ns_cost(
             flops = [f + 2 * batch * products * s**3 for f in flops]
     compute = max(flops) / hardware.flops(dtype)
     time = max(kernels * hardware.kernel_launch, compute + comm)
-    if k > 1 and batch >= 2:  # two halves, interleaved
-        halves = [split_ns_cost((h, s, l), k, ns_steps, method, dtype, coefficients, "rows" if rows else "replicated",
-                                hardware, widths, chosen[0] if chosen and chosen[0] != "-" else "redundant")
+    if interleave and k > 1 and batch >= 2:  # two halves, interleaved
+        halves = [split_ns_cost((h, s, l), k, ns_steps, form, dtype, coefficients, "rows" if rows else "replicated",
+                                hardware, widths, chosen[0] if chosen and chosen[0] != "-" else "redundant",
+                                interleave=False)
                   for h in (batch - batch // 2, batch // 2)]
         C, M = sum(h.compute_s for h in halves), sum(h.comm_s for h in halves)
         fill = min(halves[0].compute_s, halves[0].comm_s) / max(1, halves[0].collectives)

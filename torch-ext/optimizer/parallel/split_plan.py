@@ -73,7 +73,7 @@ NS_SPLIT_MODES = ("auto", "never", "always")
 
 
 @functools.lru_cache(maxsize=8192)
-def _cost(shape: tuple[int, ...], k: int, ns_steps: int, method: str, coefficients, dtype: torch.dtype,
+def _cost(shape: tuple[int, ...], k: int, ns_steps: int, method: str, coefficients, dtype: torch.dtype | None,
           hardware: SplitHardware, units: int = 1) -> SplitCost:
     return split_ns_cost(shape, k, ns_steps, method, dtype, coefficients, "auto", hardware, units=units)
 
@@ -97,11 +97,11 @@ class SplitModel:
     ns_steps: int
     method: str
     coefficients: object  # a table name or a tuple of triples
-    dtype: torch.dtype  # Newton–Schulz's compute dtype
+    dtype: torch.dtype | None  # Newton–Schulz's compute dtype as the user set it (None: the device's, per form)
     max_ranks: int = SPLIT_MAX_RANKS
 
     @staticmethod
-    def of(mode: str, hardware: SplitHardware, ns_steps: int, method: str, coefficients, dtype: torch.dtype,
+    def of(mode: str, hardware: SplitHardware, ns_steps: int, method: str, coefficients, dtype: torch.dtype | None,
            max_ranks: int = SPLIT_MAX_RANKS) -> "SplitModel":
         return SplitModel(mode, hardware, ns_steps, method, _hashable(coefficients), dtype, max_ranks)
 
@@ -117,7 +117,7 @@ class SplitModel:
         (``plan_world.batch_costs``)."""
         if units is None:
             units = 2 if k > 1 and math.prod(tuple(shape)[:-2]) == 1 else 1
-        return self.cost(shape, k, units).time_s * self.hardware.flops(self.dtype) / units
+        return self.cost(shape, k, units).time_s * self.hardware.rate(self.dtype) / units
 
 
 # ----------------------------------------------------------------------------
