@@ -139,7 +139,7 @@ class SplitHardware:
 
 # One H100 SXM per rank, nodes of 8 (HGX/DGX H100: NVLink 4 through NVSwitch inside a node, one
 # 400 Gb/s InfiniBand NIC per GPU between nodes).  Sources and the measurements behind each figure:
-# benchmarks/README.md, "Scale: the cost model's figures".
+# benchmarks/README.md, "Scale (issue 29): the cost model's figures, and the rows at 512 and 1,024 ranks".
 # - bf16 680 TFLOP/s: what the project's own Newton-Schulz achieved on one H100 at the large shapes
 #   (4096x4096 672, 4096x14336 663, 8192x28672 679 TFLOP/s; the classic FLOP count over the measured
 #   time, ../shared/gpu-h100-2026-11-26.md).  Batched expert stacks ran at 564 (32x2048x7168) and
