@@ -29,7 +29,12 @@ Assumptions (stated again in the Markdown output):
   also the planner's cost callback).  Ideal = one copy of the model's FLOPs / world
   size.  Lower bound (LB) = max(FLOPs the plan runs in the world / world size, its
   largest unit): with "never", R copies are run, so LB is R times the ideal.
-- Busiest rank: its owned jobs plus the units it orthogonalises where they are.
+- Busiest rank: its owned jobs plus the units it orthogonalises where they are, plus, where
+  experts held whole move (``ns_split="auto"``, ``plan_moves.py``), its transfers: the blocks it
+  sends out and the updates it takes back (or receives and returns), at NVLink inside a node and
+  at its own InfiniBand NIC between nodes, not overlapped (``plan_moves.move_seconds``, in
+  FLOP-equivalents at the device's rate; they count in chunk 0 of the critical path).  The
+  planner keeps moves only where that step beats keeping the experts home.
 - Chunked critical path: ranks meet at every chunk's all-to-alls, so compute time is
   about the sum over chunks (all patterns, plan order) of the busiest rank's load in
   that chunk (``owners.chunked_critical_path``); the units a rank holds whole run
@@ -82,12 +87,14 @@ import torch  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 from model_shapes import ModelShapes, all_models, total_params  # noqa: E402
+from split_bound import lower_bound  # noqa: E402
 from optimizer.distributed.layout import MeshGrid, ParamLayout  # noqa: E402
 from optimizer.step_context import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
 from optimizer.newton_schulz import newton_schulz_flops  # noqa: E402
 from optimizer.parallel.owners import chunked_critical_path  # noqa: E402
+from optimizer.parallel.plan_moves import move_bytes, move_seconds  # noqa: E402
 from optimizer.parallel.plan import (PlanParam, PlanSettings, WorldJob, ns_workspace,  # noqa: E402
-                                     split_workspace, world_jobs)
+                                     split_workspace, world_view)
 from optimizer.parallel.split_newton_schulz import CUDA_NVLINK, SplitHardware  # noqa: E402
 from optimizer.parallel.split_plan import SplitModel, lengths_along, piece_length, sub_shape  # noqa: E402
 
@@ -98,7 +105,8 @@ NS_SPLITS = ("never", "auto")
 HARDWARE = CUDA_NVLINK  # what ns_split="auto" plans with (the optimizer's CUDA figures)
 # --split-hardware free: the split's collectives cost nothing (perfectly overlapped): a bound
 FREE_LINK = SplitHardware("free communication (the split's collectives fully overlapped: a bound)",
-                          CUDA_NVLINK.bf16_flops, CUDA_NVLINK.fp32_flops, 1e18, 0.0, CUDA_NVLINK.compute_dtype)
+                          CUDA_NVLINK.bf16_flops, CUDA_NVLINK.fp32_flops, 1e18, 0.0, CUDA_NVLINK.compute_dtype,
+                          device="cuda")
 SPLIT_HARDWARE = {"cuda": CUDA_NVLINK, "free": FREE_LINK}
 DEFAULT_RANKS = [8, 16, 32, 64, 128, 256, 512, 1024]
 DEFAULT_HSDP = ["2x4", "2x32", "4x64", "8x64", "8x128", "16x64"]
@@ -109,15 +117,18 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MiB = 2**20
 
 
-# The Newton-Schulz compute dtype the model assumes: CUDA's default, bf16, where
-# ns_method="auto" keeps the classic form for every shape (the Gram form would need a
-# restart every step).  Costs are those of the form auto picks, as the optimizer's are.
-NS_DTYPE = torch.bfloat16
+# The Newton-Schulz compute dtype the model assumes: the user's default (None) on CUDA, where
+# ns_method="auto" runs the classic form in bf16 or, where it saves FLOPs (long side > 1.5x the
+# short), the Gram form in fp16 with fp16's restart plan (2 + 2 + 1 steps for "fixed": see
+# newton_schulz.choose_ns_form).  Costs are those of the form and dtype auto picks, as the
+# optimizer's are (step_context.ns_cost), and the split's cost model takes the same choice.
+NS_DTYPE = None
+NS_DEVICE = "cuda"
 
 
 def _ns_cost(shape, ns_steps: int) -> float:
     """Newton-Schulz FLOPs of one unit: every cost in this model goes through here."""
-    return float(newton_schulz_flops(shape, ns_steps, "auto", NS_DTYPE))
+    return float(newton_schulz_flops(shape, ns_steps, "auto", NS_DTYPE, "fixed", NS_DEVICE))
 
 
 def _item(dtype: torch.dtype) -> int:
@@ -172,7 +183,8 @@ def titan_expert_dim(model: ModelShapes, shards: int) -> int | None:
 
 
 def split_model(ns_split: str | None, ns_steps: int) -> SplitModel | None:
-    """``ns_split``'s cost model as the optimizer builds it on CUDA (bf16, the CUDA_NVLINK figures)."""
+    """``ns_split``'s cost model as the optimizer builds it on CUDA (compute_dtype None: bf16 classic,
+    fp16 Gram; the CUDA_NVLINK figures)."""
     if ns_split in (None, "never"):
         return None
     return SplitModel.of(ns_split, HARDWARE, ns_steps, "auto", "fixed", NS_DTYPE)
@@ -219,6 +231,9 @@ class WorldPlan:
     flops: list[float]  # NS matmul FLOPs per rank (a cut unit's block: its member's share, not its time)
     split_sent: list[int]  # bytes per rank sent (= received) in the split iterations' collectives
     split_units: dict  # k -> how many units are cut into k blocks
+    move_s: list[float]  # seconds per rank moving experts out and their updates back (plan_moves.move_seconds)
+    move_load: list[float]  # the same in FLOP-equivalents, counted in ``load`` and the critical path
+    move_sent: list[int]  # bytes per rank sent in the moves (blocks out, updates back; also in ``sent``)
 
 
 def _max_piece(lay: ParamLayout, cut=None, ndim: int = 2) -> tuple[int, int]:
@@ -242,38 +257,28 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
     if sorted(grid.ranks) != list(range(world)):
         raise ValueError(f"measure: the mesh's ranks must be 0..{world - 1} (per-rank lists are indexed by rank)")
     coords = [grid.coordinate(r) for r in range(world)]
-    patterns = world_jobs(params, settings)
+    patterns, local_units = world_view(params, settings)
 
     load = [0.0] * world
     flops = [0.0] * world
     split_sent = [0] * world
     split_units: dict[int, int] = {}
     units: list[tuple[float, int, tuple, int]] = []
-    # Units held whole (no pattern): each rank orthogonalises its own piece, as build_plan does.
-    planned = {j.param for jobs, _ in patterns for j in jobs}
+    # Units held whole where they are (no pattern, or kept by their holder), as build_plan runs them.
     local_load = [0.0] * world
     local_groups: list[dict] = [{} for _ in range(world)]  # shape -> count, for run_local's batches
-    local_shapes: dict[tuple, list[tuple]] = {}
-    for i, p in enumerate(params):
-        if i in planned:
-            continue
-        key = (p.shape, p.layout.placements)
-        shapes = local_shapes.get(key)
-        if shapes is None:
-            shapes = local_shapes[key] = [p.layout.local_shape(c) for c in coords]
-        for r, shape in enumerate(shapes):
-            if math.prod(shape) == 0:
-                continue
-            c = p.cost(shape)
-            local_load[r] += c
-            units.append((c, i, shape, r))
-            local_groups[r][shape] = local_groups[r].get(shape, 0) + 1
+    for i, r, shape in local_units:
+        c = params[i].cost(shape)
+        local_load[r] += c
+        units.append((c, i, shape, r))
+        local_groups[r][shape] = local_groups[r].get(shape, 0) + 1
     for r in range(world):
         load[r] += local_load[r]
         flops[r] += local_load[r]
 
     sent, received, exchange_sent = [0] * world, [0] * world, [0] * world
-    world_bytes = {"gather": 0, "scatter": 0, "exchange": 0, "exchange_payload": 0}
+    move_s, move_load, move_sent = [0.0] * world, [0.0] * world, [0] * world
+    world_bytes = {"gather": 0, "scatter": 0, "exchange": 0, "exchange_payload": 0, "moves": 0}
     chunk_buffers: list[list[int]] = []
     chunk_exchange: list[list[bool]] = []  # [chunk][rank]: a replica all-gather follows its scatter
     workspace: list[list[int]] = []  # [chunk][rank] NS workspace bytes
@@ -282,6 +287,21 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
     all_chunks: list[list[int]] = []
     piece_cache: dict[tuple, tuple[int, int]] = {}
     for jobs, chunks in patterns:
+        if jobs[0].holder >= 0:  # units held whole, moved (plan_moves.py): blocks travel holder <-> owner
+            base = len(all_costs)
+            _measure_moves(params, jobs, chunks, compute_bytes, load, flops, split_sent, split_units, units,
+                           sent, received, world_bytes, chunk_buffers, chunk_exchange, workspace)
+            # the moves' transfers (not overlapped: plan_moves decides on the same figures)
+            model = params[jobs[0].param].split
+            for r, t in move_seconds(params, jobs, model.hardware).items():
+                move_s[r] += t
+                move_load[r] += t * model.hardware.rate(model.dtype)
+            for r, b in move_bytes(params, jobs).items():
+                move_sent[r] += b
+            all_costs += [j.cost for j in jobs]
+            all_owners += [j.owner for j in jobs]
+            all_chunks += [[base + k for k in chunk] for chunk in chunks]
+            continue
         lay = params[jobs[0].param].layout
         S, R = lay.shard_group_size, lay.num_replicas
         split = jobs[0].split and R > 1
@@ -350,10 +370,13 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
             chunk_exchange.append(exchanged)
             workspace.append(spaces)
 
-    # Critical path: units held whole count in chunk 0 (they run while its gathers travel).
-    local_items = [r for r in range(world) if local_load[r] > 0]
+    # Critical path: units held whole count in chunk 0 (they run while its gathers travel), and
+    # so do the moves' transfers (a rank's total: a bound, as if its transfers ran back to back).
+    for r in range(world):
+        load[r] += move_load[r]
+    local_items = [r for r in range(world) if local_load[r] + move_load[r] > 0]
     lead = [len(all_costs) + k for k in range(len(local_items))]
-    costs = all_costs + [local_load[r] for r in local_items]
+    costs = all_costs + [local_load[r] + move_load[r] for r in local_items]
     owners = all_owners + local_items
     chunks = [list(c) for c in all_chunks] or [[]]
     chunks[0] += lead
@@ -376,7 +399,55 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
             best = max(best, sum(chunk_buffers[c][r] for c in live) + workspace[k][r])
         peak[r] = best
     return WorldPlan(patterns, load, local_load, sent, received, exchange_sent, world_bytes,
-                     chunk_buffers, peak, critical, units, flops, split_sent, split_units)
+                     chunk_buffers, peak, critical, units, flops, split_sent, split_units, move_s, move_load,
+                     move_sent)
+
+
+def _cut_cost(params, j):
+    """A block of a cut unit: the split iteration's modelled cost of its whole unit."""
+    return params[j.param].split.cost(sub_shape(j.shape, j.cut, sum(j.widths)), j.cut.k)
+
+
+def _measure_moves(params, jobs, chunks, compute_bytes, load, flops, split_sent, split_units, units, sent, received,
+                   world_bytes, chunk_buffers, chunk_exchange, workspace):
+    """Loads, traffic and buffers of one group of moved units (``plan_moves.py``): each block goes
+    from its holder to its owner whole (no padding) and its update comes back; a rank's buffers
+    per chunk are twice what it sends plus three times what it receives (``plan_moves.move_traffic``)."""
+    world = len(load)
+    for j in jobs:
+        load[j.owner] += j.cost
+        units.append((j.cost, j.param, j.shape, j.owner))
+        if j.cut is None:
+            flops[j.owner] += j.cost
+            continue
+        c = _cut_cost(params, j)
+        flops[j.owner] += c.flops_per_rank[j.cut.j]
+        split_sent[j.owner] += c.bytes_per_rank
+        if j.cut.j == 0:
+            split_units[j.cut.k] = split_units.get(j.cut.k, 0) + 1
+    for chunk in chunks:
+        out, into = [0] * world, [0] * world
+        moved_out, moved_in = [0] * world, [0] * world
+        batches: list[dict] = [{} for _ in range(world)]
+        for k in chunk:
+            j = jobs[k]
+            b = math.prod(j.shape)
+            item = _item(params[j.param].wire_dtype)
+            out[j.holder] += b * item
+            into[j.owner] += b * item
+            if j.holder != j.owner:
+                moved_out[j.holder] += b * item
+                moved_in[j.owner] += b * item
+                world_bytes["moves"] += 2 * b * item
+            ws, key = batches[j.owner], (j.shape if j.cut is None else k)
+            ws[key] = ws.get(key, 0) + (ns_workspace(j.shape) if j.cut is None else
+                                        split_workspace(j.shape, j.cut.dim == -2, j.cut.k))
+        for r in range(world):
+            sent[r] += moved_out[r] + moved_in[r]  # blocks out, updates back
+            received[r] += moved_in[r] + moved_out[r]
+        chunk_buffers.append([2 * out[r] + 3 * into[r] for r in range(world)])
+        chunk_exchange.append([False] * world)
+        workspace.append([max(batches[r].values(), default=0) * compute_bytes for r in range(world)])
 
 
 # ----------------------------------------------------------------------------
@@ -399,6 +470,7 @@ def evaluate(model: ModelShapes, layout: Layout, replica_split: str | None, args
     total = sum(_ns_cost(p.shape, args.ns_steps) for p in params)  # one copy of the model
     ideal = total / n
     planned = sum(plan.load)  # FLOP-equivalents: a cut unit's blocks count their modelled time
+    cut_bound = lower_bound(params, n) if ns_split != "never" else None  # any whole-or-cut plan (split_bound.py)
     largest = max(plan.units, key=lambda u: u[0])
     lower = max(planned / n, largest[0])
     total_sent = [a + b for a, b in zip(plan.sent, plan.split_sent)]
@@ -437,6 +509,12 @@ def evaluate(model: ModelShapes, layout: Layout, replica_split: str | None, args
         "busiest_over_ideal": busiest / ideal,
         "busiest_flops_over_ideal": max(plan.flops) / ideal,
         "busiest_over_lower_bound": busiest / lower,
+        "cut_lower_bound_over_ideal": None if cut_bound is None else cut_bound / ideal,
+        "moved_units": sum(1 for jobs, _ in plan.patterns for j in jobs if j.holder >= 0 and j.owner != j.holder),
+        "move_sent_per_rank_max": max(plan.move_sent),
+        "move_s_per_rank_max": max(plan.move_s),
+        "busiest_move_s": plan.move_s[busiest_rank],
+        "busiest_over_ideal_without_moves": max(a - b for a, b in zip(plan.load, plan.move_load)) / ideal,
         "largest_unit_over_ideal": largest[0] / ideal,
         "largest_unit": {"param": params[largest[1]].name, "shape": list(largest[2])},
         "ranks_idle": sum(1 for x in plan.load if x == 0),
@@ -529,14 +607,17 @@ def split_comparisons(results):
     with the default replica split ("auto")."""
     by: dict[tuple, dict] = {}
     for r in results:
-        if r["ranks"] in TARGET_RANKS and r["titan"] and r["replica_split"] in (None, "auto"):
+        if r["ranks"] in TARGET_RANKS and r["replica_split"] in (None, "auto"):
             by.setdefault((r["model"], _layout_name(r), r["ranks"], r["expert_dim"]), {})[r["ns_split"]] = r
     return [(k, v) for k, v in by.items() if all(s in v for s in NS_SPLITS)]
 
 
 def split_verdict(row: dict) -> str:
     b, c = row["busiest_over_ideal"], row["critical_path_over_ideal"]
-    return "meets" if b <= SPLIT_TARGET and c <= SPLIT_TARGET else "misses"
+    if b <= SPLIT_TARGET and c <= SPLIT_TARGET:
+        return "meets"
+    bound = row.get("cut_lower_bound_over_ideal")
+    return "misses" if bound is None else f"misses (no whole-or-cut plan goes below {bound:.2f}x: split_bound.py)"
 
 
 def split_line(key, rows) -> str:
@@ -544,6 +625,12 @@ def split_line(key, rows) -> str:
     nv, au = rows["never"], rows["auto"]
     experts = "" if d is None else f", experts Shard({d})"
     cut = ", ".join(f"{v} over {k}" for k, v in au["cut_units"].items()) or "none"
+    if au.get("moved_units"):
+        cut += (f"; {au['moved_units']} expert units moved ({_fmt_bytes(au['move_sent_per_rank_max'])} MiB sent "
+                f"per rank max, {au['move_s_per_rank_max'] * 1e3:.1f} ms of transfers per rank max, "
+                f"{au['busiest_move_s'] * 1e3:.1f} ms on the busiest rank, counted in its load)")
+    elif nv.get("expert_dim") == 0:
+        cut += "; experts kept home (no move pays for its transfers)"
     return (f"{model} {layout} @ {ranks}{experts}: {split_verdict(au)} {SPLIT_TARGET:.2f}x: busiest "
             f"{nv['busiest_over_ideal']:.2f}x -> {au['busiest_over_ideal']:.2f}x, critical path "
             f"{nv['critical_path_over_ideal']:.2f}x -> {au['critical_path_over_ideal']:.2f}x (modelled time); "

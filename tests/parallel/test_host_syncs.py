@@ -40,6 +40,10 @@ def _specs(case: str, copies: int):
         "hsdp_split": ((2, 2), [("layers.{i}.attention.wq.weight", Q, ["R", "S0"]),
                                 ("layers.{i}.attention.wk.weight", K, ["R", "S0"]),
                                 ("layers.{i}.ffn.w1.weight", (7, 5), ["R", "R"])]),
+        # experts held whole (Shard(0)), fewer than ranks: moved to the ranks holding none (ns_split "auto")
+        "expert_moves": ((4,), [("layers.{i}.moe.w1", (2, 12, 16), ["S0"]), ("layers.{i}.moe.w2", (3, 16, 12), ["S0"]),
+                                ("layers.{i}.attention.wq.weight", Q, ["S0"]),
+                                ("layers.{i}.attention.wk.weight", K, ["S0"])]),
         # Newton–Schulz split over the shard group (ns_split="always"): wide, tall, experts
         "ns_split": ((4,), [("layers.{i}.attention.wq.weight", Q, ["S0"]),
                             ("layers.{i}.attention.wk.weight", K, ["S0"]),
@@ -53,8 +57,14 @@ VARIANTS = dict(normuon_beta2=0.9, cautious_wd=True, momentum_dtype=torch.bfloat
 
 
 def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite, options=None):
-    from optimizer import Muon, QKClipConfig
+    from optimizer import Muon, QKClipConfig, step_context
+    from optimizer.parallel.split_cost import CPU_GLOO, SplitHardware
     from torch.distributed.device_mesh import init_device_mesh
+
+    if case == "expert_moves":  # moving these tiny experts pays only on a fast link (collectives kept slow: no cut)
+        step_context.split_hardware = lambda device: SplitHardware(
+            "test: moves free, collectives slow", CPU_GLOO.bf16_flops, CPU_GLOO.fp32_flops, 1e18, 1.0, torch.float32,
+            device="cpu")
 
     mesh_shape, specs = _specs(case, copies)
     mesh = init_device_mesh("cpu", mesh_shape)
@@ -75,7 +85,7 @@ def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite, options=None
         with HostSyncs() as syncs:
             opt.step(qk_logits=logits)
         counts.append(syncs.events)
-    return counts[0], opt.last_step_stats.chunks, opt.last_step_stats.split_units
+    return counts[0], opt.last_step_stats.chunks, opt.last_step_stats.split_units, opt.last_step_stats.moved_units
 
 
 @pytest.mark.parametrize("case, qk, skip, options", [
@@ -85,13 +95,18 @@ def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite, options=None
     ("fsdp_tp", True, False, VARIANTS), ("experts", True, True, VARIANTS), ("hsdp_split", True, True, VARIANTS),
     # ... and on cut units: the whole matrix's row statistics by all-reduce, never read back
     ("ns_split", True, True, VARIANTS),
+    # experts moved to ranks that hold none (their all-to-alls, NorMuon's v in their blocks)
+    ("expert_moves", True, True, None), ("expert_moves", True, True, VARIANTS),
 ], ids=lambda x: "variants" if isinstance(x, dict) else None)
 def test_one_host_read_per_step_whatever_the_number_of_parameters(case, qk, skip, options):
     for copies in (1, 3):
-        for events, chunks, split_units in run_ranks(_watch_step, 4, case, copies, qk, skip, options, timeout=120):
+        results = run_ranks(_watch_step, 4, case, copies, qk, skip, options, timeout=120)
+        for events, chunks, split_units, _ in results:
             assert events == ["tolist"], (case, copies, events)  # the agreement's one read-back
             assert chunks >= 1
             assert (split_units > 0) == (case == "ns_split")
+        if case == "expert_moves" and copies == 3:  # 15 experts on 4 ranks held 6, 6, 3, 0: some move
+            assert sum(moved for *_, moved in results) > 0
 
 
 def test_the_recorder_sees_what_it_must():

@@ -79,6 +79,12 @@ CASES = {
         ("tall", (50, 12), ["S0"]),  # shards of 17, 17, 16 rows
         ("experts", (2, 9, 31), ["S2"]),
     ], {}),
+    # same-shape units cut over one group: one call each pair (their halves interleaved)
+    "twins_4": ((4,), [
+        ("a", (24, 96), ["S0"]), ("b", (24, 96), ["S0"]),
+        ("c", (96, 24), ["S1"]), ("d", (96, 24), ["S1"]),
+        ("layers.0.moe.w1", (2, 16, 50), ["S1"]), ("layers.0.moe.w2", (2, 16, 50), ["S1"]),
+    ], {}),
     "gram_form_2": ((2,), [  # fp32, more than 1.5x wide: the Gram-space form, split alike
         ("wide", (64, 256), ["S0"]),
         ("tall", (256, 64), ["S1"]),
@@ -113,9 +119,41 @@ def _check(name, qk, ns_split="always", extra=None, expect_split=True):
 
 
 @pytest.mark.parametrize("name", ["fsdp_2", "fsdp_4_shard1", "fsdp_tp_4", "hsdp_4_split", "hsdp_4_per_replica",
-                                  "fsdp_8", "fsdp_3", "gram_form_2"])
+                                  "fsdp_8", "fsdp_3", "gram_form_2", "twins_4"])
 def test_forced_split_equals_single_device(name):
     _check(name, qk=name in ("fsdp_2", "fsdp_tp_4", "hsdp_4_split"))
+
+
+def _batched_calls(rank, world_size):
+    from optimizer import rule
+
+    sizes = []
+    real = rule.MatrixStep.orthogonalize_split
+
+    def recording(self, x, *args, **kwargs):
+        sizes.append(tuple(x.shape))
+        return real(self, x, *args, **kwargs)
+
+    rule.MatrixStep.orthogonalize_split = recording
+    try:
+        full, _ = _run(rank, world_size, "twins_4", False, "always", {})
+    finally:
+        rule.MatrixStep.orthogonalize_split = real
+    return full, sizes
+
+
+def test_cut_units_sharing_a_group_run_as_one_call():
+    """Pairs of same-shape units cut over the same shard group run as one split call (a batch of
+    their matrices, whose halves interleave): the wide pair, the tall pair and the expert pair;
+    every parameter equals single-device Muon."""
+    mesh_shape, specs, _ = CASES["twins_4"]
+    want = run_reference(specs, STEPS, False)
+    for full, sizes in run_ranks(_batched_calls, 4, timeout=240):
+        for n, ref in want.items():
+            torch.testing.assert_close(full[n], ref, atol=ATOL, rtol=RTOL, msg=lambda m: f"twins {n}: {m}")
+        # per step: the wide pair, the tall pair (transposed: the same blocks), two pairs of expert units
+        assert len(sizes) == 4 * STEPS and all(s[0] == 2 for s in sizes), sizes
+        assert sorted(len(s) for s in sizes[-4:]) == [3, 3, 4, 4], sizes
 
 
 def test_the_gram_case_runs_the_gram_form():
@@ -191,7 +229,7 @@ def test_a_misassigned_block_is_caught(monkeypatch):
     comparison above must fail.  (Moving whole slices between blocks would not be an error:
     Newton–Schulz does not care which columns form a block, as long as gather and scatter
     agree.)"""
-    from optimizer.parallel import plan, split_plan
+    from optimizer.parallel import plan_rank, split_plan
 
     real = split_plan.cut_blocks
 
@@ -201,7 +239,7 @@ def test_a_misassigned_block_is_caught(monkeypatch):
             rows[1] = rows[0]
         return rows
 
-    monkeypatch.setattr(plan, "cut_blocks", wrong)  # the forked ranks inherit it
+    monkeypatch.setattr(plan_rank, "cut_blocks", wrong)  # the forked ranks inherit it
     with pytest.raises(AssertionError):
         _check("fsdp_2", qk=False)
 

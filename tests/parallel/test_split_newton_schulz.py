@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from harness import run_ranks
-from optimizer.newton_schulz import choose_ns_method, newton_schulz_flops, zeropower_via_newtonschulz
+from optimizer.newton_schulz import (choose_ns_form, choose_ns_method, gram_restart_plan, newton_schulz_flops,
+                                     zeropower_via_newtonschulz)
 from optimizer.parallel.split_newton_schulz import (
     CPU_GLOO,
     CUDA_NVLINK,
@@ -94,7 +95,8 @@ def short_side_first(G):
     return (G.mT if tall else G), tall
 
 
-def run_case(rank, k, G, widths, steps, coef, method, b_split, dtype=torch.float32, assigned=None, group=None):
+def run_case(rank, k, G, widths, steps, coef, method, b_split, dtype=torch.float32, assigned=None, group=None,
+             recursion="auto"):
     """This rank's block of the split result and of the unsplit reference (both short side first).
 
     ``assigned``: which block this rank is handed (default its own): to misassign blocks."""
@@ -102,7 +104,7 @@ def run_case(rank, k, G, widths, steps, coef, method, b_split, dtype=torch.float
     blocks = blocks_of(widths)
     mine = Gt[..., blocks[rank if assigned is None else assigned]].contiguous()
     out = split_zeropower_via_newtonschulz(mine, widths, group, steps, coef, compute_dtype=dtype, method=method,
-                                           b_split=b_split)
+                                           b_split=b_split, recursion=recursion)
     ref = zeropower_via_newtonschulz(G, steps, coef, compute_dtype=dtype, method=method)
     ref = ref.mT if tall else ref
     wide = torch.promote_types(dtype, torch.float32)
@@ -159,6 +161,61 @@ def test_split_equals_unsplit(k):
     assert len(worst) == (48 if k == 8 else 96)
     bad = {c: d for c, d in worst.items() if not d[0] <= d[1]}
     assert not bad, f"split deviates from unsplit by more than the rounding bound (deviation, bound): {bad}"
+
+
+# The Gram form's m x m recursion split by rows (2L all-gathers per segment), on every shape, even
+# and ragged rows (13 rows on 8 ranks: 2, 2, 2, 2, 2, 2, 1, 0; 6 rows: 1 each, two members none).
+ROWS_SHAPES = {**SHAPES, "ragged": (13, 40), "ragged_batched": (3, 6, 40)}
+ROWS_CASES = [(name, steps, coef) for name in ROWS_SHAPES for steps in (5, 10) for coef in ("fixed", "polar_express")]
+
+
+def _gram_rows_cases(rank, k):
+    results = {}
+    for name, steps, coef in ROWS_CASES:
+        kind = "wellcond" if name == "square" else "randn"
+        G = make_matrix(kind, ROWS_SHAPES[name], seed=steps).double()
+        n = max(ROWS_SHAPES[name][-2:])
+        widths = uneven_widths(n, k)
+        out, ref = run_case(rank, k, G, widths, steps, coef, "gram", "auto", dtype=torch.float64, recursion="rows")
+        results[(name, steps, coef)] = (out - ref).abs().max().item() / split_atol(G, steps, coef, "gram")
+    return results
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_gram_recursion_by_rows_equals_unsplit(k):
+    """In float64 within split_atol (the rounding bound of both orders), as the other split cases."""
+    per_rank = run_ranks(_gram_rows_cases, k, timeout=TIMEOUT)
+    worst = {case: max(r[case] for r in per_rank) for case in per_rank[0]}
+    assert len(worst) == len(ROWS_CASES) == 24
+    bad = {c: d for c, d in worst.items() if not d <= 1}
+    assert not bad, f"the Gram form with its recursion by rows deviates from unsplit by more than the bound (ratio): {bad}"
+
+
+def _skipped_restart(rank, k, recursion):
+    """The rank-3 input of the hard cases over 10 steps (plan (5, 5)), split, with the restart
+    plan as the package has it and with the restart skipped (one 10-step segment, in the split only)."""
+    from optimizer.parallel import split_newton_schulz as split_module
+
+    G = hard_matrix("lowrank", (24, 96))
+    widths = [s.stop - s.start for s in column_blocks(96, k)]
+    kept, ref = run_case(rank, k, G, widths, 10, "fixed", "gram", "auto", recursion=recursion)
+    real = split_module.gram_restart_plan
+    split_module.gram_restart_plan = lambda coefficients, ns_steps, dtype=None: (ns_steps,)
+    try:
+        skipped, _ = run_case(rank, k, G, widths, 10, "fixed", "gram", "auto", recursion=recursion)
+    finally:
+        split_module.gram_restart_plan = real
+    return (kept - ref).abs().max().item(), (skipped - ref).nan_to_num(1e30).abs().max().item()
+
+
+@pytest.mark.parametrize("recursion", ["redundant", "rows"])
+def test_a_skipped_restart_fails_the_comparison(recursion):
+    """The split follows the restart plan of the unsplit call (5 + 5 steps in fp32 for 10 steps):
+    with it the rank-3 input stays within the unsplit form's rounding sensitivity; run as one
+    10-step segment it is far off (the drift of the Gram iteration's null eigenvalues)."""
+    for kept, skipped in run_ranks(_skipped_restart, 4, recursion, timeout=TIMEOUT):
+        assert kept < 2e-2, kept
+        assert skipped > 1.0, skipped
 
 
 def hard_matrix(kind: str, shape) -> torch.Tensor:
@@ -233,6 +290,36 @@ def _two_groups(rank, world):
     out, ref = run_case(rank % 2, 2, G, widths, 5, "polar_express", "classic", "rows", dtype=torch.float64,
                         group=groups[mine])
     return (out - ref).abs().max().item() / split_atol(G, 5, "polar_express", "classic")
+
+
+def _interleaving(rank, k):
+    """The collectives a batch of two matrices issues, in order (which half, by the buffer's rows),
+    and its result against the unsplit call's."""
+    G = make_matrix("randn", (2, 24, 96), seed=4).double()
+    widths = [s.stop - s.start for s in column_blocks(96, k)]
+    issued = []
+    real = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        issued.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        out, ref = run_case(rank, k, G, widths, 5, "fixed", "classic", "replicated", dtype=torch.float64)
+    finally:
+        dist.all_reduce = real
+    return issued, (out - ref).abs().max().item() / split_atol(G, 5, "fixed", "classic")
+
+
+def test_a_batch_runs_as_two_interleaved_halves():
+    """Two matrices in one call: each half's all-reduces alternate with the other's (half 1 issues
+    its Gram all-reduce before half 0 waits for its own), so one's collectives can overlap the
+    other's products; the result is the unsplit call's."""
+    for issued, dev in run_ranks(_interleaving, 2, timeout=TIMEOUT):
+        first = 24 * 24 + 1  # the first all-reduce: Gram matrix and the sum of squares, one matrix per half
+        assert issued == [first, first] + [24 * 24] * 8, issued  # half 0, half 1, then each later step: 0, 1
+        assert dev <= 1  # deviation / the rounding bound, in float64
 
 
 def test_groups_of_a_larger_world_split_different_matrices_at_once():
@@ -368,15 +455,18 @@ def test_misassigned_blocks_fail_the_comparison():
 
 def _replicated(rank, k):
     out = {}
-    for method, b_split, steps, shape in (("classic", "replicated", 5, (24, 96)), ("classic", "rows", 5, (3, 16, 50)),
-                                          ("gram", "auto", 10, (24, 96))):
+    for method, b_split, steps, shape, recursion in (("classic", "replicated", 5, (24, 96), "auto"),
+                                                     ("classic", "rows", 5, (3, 16, 50), "auto"),
+                                                     ("gram", "auto", 10, (24, 96), "redundant"),
+                                                     ("gram", "auto", 10, (3, 13, 50), "rows")):
         G = make_matrix("randn", shape, seed=1)
         widths = uneven_widths(max(shape[-2:]), k)
         record: list = []
         Gt, _ = short_side_first(G)
         _split_ns(Gt[..., blocks_of(widths)[rank]].contiguous(), widths, None, steps, "polar_express", 1e-7,
-                  torch.float32, None, method, b_split, None, record)
-        out[method + b_split] = [bytes(t.contiguous().view(torch.uint8).reshape(-1).tolist()) for t in record]
+                  torch.float32, None, method, b_split, None, record, recursion)
+        out[method + b_split + recursion] = [bytes(t.contiguous().view(torch.uint8).reshape(-1).tolist())
+                                             for t in record]
     return out
 
 
@@ -488,12 +578,49 @@ def test_cost_model_bytes_and_collectives():
     r = split_ns_cost((m, n), k, 5, "classic", torch.bfloat16, "fixed", "rows", CUDA_NVLINK)
     assert r.collectives == 10
     assert r.bytes_per_rank == round(first + 4 * ring * m * m * 2 + 5 * (k - 1) * (m // k) * m * 2)
-    g = split_ns_cost((m, n), k, 10, "gram", torch.float32, "fixed", "auto", CUDA_NVLINK)
+    g = split_ns_cost((m, n), k, 10, "gram", torch.float32, "fixed", "auto", CUDA_NVLINK, recursion="redundant")
     assert g.plan == (5, 5) and g.collectives == 2
+    # the recursion by rows: per segment of 5 steps one all-reduce and 2 x 5 all-gathers of k p m numbers
+    gr = split_ns_cost((m, n), k, 10, "gram", torch.float32, "fixed", "auto", CUDA_NVLINK, recursion="rows")
+    assert gr.plan == (5, 5) and gr.collectives == 2 + 2 * 10 and gr.recursion == ("rows", "rows")
+    first32 = ring * (m * m + 1) * 4
+    assert gr.bytes_per_rank == round(first32 + ring * m * m * 4 + 20 * (k - 1) * (m // k) * m * 4)
+    assert gr.flops == g.flops - 2 * 17 * 2 * m**3 * (k - 1) // k  # each member runs 1/k of the recursion
     # tall and wide are the same unit; the long side is the one split
     tall, wide = split_ns_cost((n, m), k, 5), split_ns_cost((m, n), k, 5)
     assert (tall.flops_per_rank, tall.bytes_per_rank, tall.collectives) == \
         (wide.flops_per_rank, wide.bytes_per_rank, wide.collectives)
+
+
+def test_cost_model_prices_the_form_and_dtype_the_unsplit_call_runs():
+    """The model takes the user's compute dtype (None: the device's, per form) and prices what runs
+    there: on CUDA with None a wide matrix's Gram form in fp16 with fp16's restart plan, a square
+    one's classic form in bf16; on CPU fp32. Reference: choose_ns_form / gram_restart_plan /
+    newton_schulz_flops called here, and the bytes written out per segment."""
+    plans = set()
+    for hw in (CUDA_NVLINK, CPU_GLOO):
+        for shape in [(1024, 4096), (4096, 1024), (4096, 4096), (4, 512, 2048)]:
+            for dtype in (None, torch.bfloat16, torch.float16, torch.float32):
+                form, run = choose_ns_form(shape, 5, "auto", dtype, "fixed", hw.device_type)
+                plan = gram_restart_plan("fixed", 5, run) if form == "gram" else (1,) * 5
+                whole = split_ns_cost(shape, 1, 5, "auto", dtype, "fixed", hardware=hw)
+                assert whole.flops == newton_schulz_flops(shape, 5, "auto", dtype, "fixed", hw.device_type)
+                k, m = 4, min(shape[-2:])
+                batch = math.prod(shape[:-2])
+                c = split_ns_cost(shape, k, 5, "auto", dtype, "fixed", "replicated", hw, recursion="redundant")
+                assert (c.form, c.plan) == (form, plan), (hw.name, shape, dtype)
+                ring = 2 * (k - 1) / k  # first all-reduce in fp32 (Gram + norm), then one per segment in `run`
+                expected = ring * batch * (m * m + 1) * 4 + (len(plan) - 1) * ring * batch * m * m * run.itemsize
+                assert c.bytes_per_rank == round(expected)
+                assert c.collectives == len(plan) * (2 if batch >= 2 else 1)  # a batch runs as two halves, once
+                plans.add(plan)
+    # what CUDA runs by default for a wide matrix: fp16 Gram segments longer than one step, and a
+    # one-step segment (a classic step) among them; fp32 one segment; bf16 all ones
+    assert split_ns_cost((1024, 4096), 4, 5, hardware=CUDA_NVLINK).form == "gram"
+    fp16 = gram_restart_plan("fixed", 5, torch.float16)
+    assert fp16 in plans and max(fp16) > 1 and min(fp16) == 1
+    assert (5,) in plans and (1,) * 5 in plans
+    assert split_ns_cost((4096, 4096), 4, 5, hardware=CUDA_NVLINK).form == "classic"
 
 
 def test_b_split_choice():

@@ -223,8 +223,10 @@ def test_the_padded_piece_of_a_block_is_the_longest_slice_of_it():
     lengths = [23, 23, 23, 21]  # torch.chunk of 90 rows over 4
     rows = cut_blocks(lengths, S)
     want = [max(sl.stop - sl.start for sl in rows[j]) for j in range(S)]
-    got = sorted(p.padded[-2] for c in plan.chunks for p in c.packs)
-    assert got == sorted(want) and all(p.padded[-1] == 20 for c in plan.chunks for p in c.packs)
+    # (this rank's pieces of one cut unit's blocks travel as one pack: the blocks it stands for)
+    blocks = [b for c in plan.chunks for p in c.packs for b in (p.blocks or [(p.offset, p.padded, p.mine)])]
+    got = sorted(padded[-2] for _, padded, _ in blocks)
+    assert got == sorted(want) and all(padded[-1] == 20 for _, padded, _ in blocks)
 
 
 def test_a_cut_units_blocks_share_one_chunk_whatever_the_owners_other_work():
@@ -240,18 +242,22 @@ def test_a_cut_units_blocks_share_one_chunk_whatever_the_owners_other_work():
 
 
 def test_units_held_whole_count_when_choosing_cuts():
-    """Experts held whole on ranks 0-3 (Shard(0), one each) cost as much as the one dense matrix:
-    cutting the dense matrix cannot lower the busiest rank (an expert's holder), so it stays whole;
-    counted without them, the cut would be taken (and ship its collectives for nothing)."""
+    """Experts held whole on ranks 0-3 (Shard(0), one each, in a param group with ns_split="never":
+    they cannot move, test_expert_moves.py has the ones that can) cost as much as the one dense
+    matrix: cutting the dense matrix cannot lower the busiest rank (an expert's holder), so it
+    stays whole; counted without them, the cut would be taken (and ship its collectives for nothing)."""
     from optimizer.parallel import plan
 
-    specs = [("experts", (4, 256, 1024), [Shard(0)]), ("dense", (256, 1024), [Shard(0)])]
-    params = _params((8,), range(8), specs, _model())
+    grid = MeshGrid((8,), tuple(range(8)))
+    params = [PlanParam("experts", (4, 256, 1024), ParamLayout((4, 256, 1024), grid, (Shard(0),)), torch.float32,
+                        torch.device("cpu"), 0, _cost, split=None),
+              PlanParam("dense", (256, 1024), ParamLayout((256, 1024), grid, (Shard(0),)), torch.float32,
+                        torch.device("cpu"), 0, _cost, split=_model())]
     cut = lambda: [j for jobs, _ in world_jobs(params, PlanSettings()) for j in jobs if j.cut is not None]  # noqa: E731
     assert cut() == []
     real = plan._held_loads
     try:
-        plan._held_loads = lambda params, local: dict  # blind to them
+        plan._held_loads = lambda params, local, movable=(): dict  # blind to them
         assert cut()
     finally:
         plan._held_loads = real

@@ -224,7 +224,7 @@ class StepContext:
             row_bytes=row_state_dtype(work).itemsize if normuon_on(group) else 0,
             # a unit with row blocks is orthogonalised whole, block by block (docs/parallel.md: ns_split); a cut
             # NorMuon unit takes its row statistics from the whole matrix (rule.normuon_normalize_split)
-            split=split_model(group, compute, local_view(p).device) if cuttable else None,
+            split=split_model(group, self.settings.compute_dtype, local_view(p).device) if cuttable else None,
         )
 
     def _missing_groups(self, param_groups: Sequence[Mapping]) -> list[tuple[int, ...]]:
@@ -431,8 +431,10 @@ def split_hardware(device: torch.device) -> SplitHardware:
     return hardware_for(device)
 
 
-def split_model(group: Mapping, compute_dtype: torch.dtype, device: torch.device) -> SplitModel | None:
+def split_model(group: Mapping, compute_dtype: torch.dtype | None, device: torch.device) -> SplitModel | None:
     """How a Muon group's matrices may be split over ranks (``ns_split``), or None for "never".
+    ``compute_dtype`` as the user set it (None: the device's, per form), so that the split's cost
+    model prices the form and dtype the split iteration runs (``choose_ns_form``).
     Weights with row blocks are never split (``_plan_param``): their blocks are orthogonalised
     apart, each with its own lr factor."""
     mode = group.get("ns_split", "auto")
@@ -454,7 +456,7 @@ def split_rank_sets(param_groups: Sequence[Mapping], settings: MuonSettings, lay
         if not is_dtensor(p) or p.dim() < 2 or param_problem("", p) is not None:
             continue
         device = local_view(p).device
-        model = split_model(group, settings.compute_dtype or default_compute_dtype(device), device)
+        model = split_model(group, settings.compute_dtype, device)
         out |= rank_sets(e.shape, layouts.of(p, e.transposed), model)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return sorted(s for s in out if 1 < len(s) < world)

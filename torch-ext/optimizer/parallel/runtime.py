@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .plan import Chunk, Owned, StepPlan, row_slots
+from . import moves
+from .buffers import _Flight, _piece, _row_piece, _split
+from .plan import Chunk, MoveChunk, Owned, StepPlan, row_slots
 from .stats import PipelineStats
 
 
@@ -94,29 +95,6 @@ class Stages(Protocol):
 # --------------------------------------------------------------------------
 # Buffers and index kernels
 # --------------------------------------------------------------------------
-
-
-def _piece(buffer: torch.Tensor, offset: int, padded: Sequence[int], mine: Sequence[int]) -> torch.Tensor:
-    """A padded block of ``buffer`` at ``offset``, cut to the real block's shape."""
-    block = buffer[offset: offset + math.prod(padded)].view(padded)
-    if tuple(mine) != tuple(padded):
-        block = block[tuple(slice(0, n) for n in mine)]
-    return block
-
-
-def _row_piece(buffer: torch.Tensor, offset: int, padded: Sequence[int], mine: Sequence[int],
-               slots: int) -> torch.Tensor:
-    """The row-state columns of the block at ``offset``, for the real block's rows."""
-    block = buffer[offset: offset + math.prod(padded)].view(padded)
-    return block[(..., slice(0, mine[-2]), slice(padded[-1] - slots, None))]
-
-
-def _split(blocks: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[..., rows, cols + slots]`` blocks as (matrix part, row-state part or None)."""
-    if not slots:
-        return blocks, None
-    cols = blocks.shape[-1] - slots
-    return blocks[..., :cols], blocks[..., cols:]
 
 
 def _assembled_shape(o: Owned) -> tuple[int, ...]:
@@ -188,16 +166,6 @@ def _region(t: torch.Tensor, region) -> torch.Tensor:
     return t[region] if region else t
 
 
-@dataclass
-class _Flight:
-    chunk: Chunk
-    recv: torch.Tensor
-    work: object
-    send: torch.Tensor | None = None  # kept alive until the collective completes
-    fulls: list = field(default_factory=list)
-    rows: list = field(default_factory=list)  # the owned units' row state (NorMuon's v), or None each
-
-
 def _all_to_all(recv, send, recv_splits, send_splits, chunk: Chunk, stats: PipelineStats):
     stats.all_to_alls += 1
     return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=chunk.shard_group, async_op=True)
@@ -214,10 +182,17 @@ def _all_gather(out: torch.Tensor, mine: torch.Tensor, group, async_op: bool = F
 # --------------------------------------------------------------------------
 
 
-def start_gather(chunk: Chunk, steps: Sequence[Stages], stats: PipelineStats) -> _Flight:
+def start_gather(chunk: Chunk | MoveChunk, steps: Sequence[Stages], stats: PipelineStats) -> _Flight:
+    if isinstance(chunk, MoveChunk):
+        return moves.start_gather(chunk, steps, stats)
     with stats.time("gather"):
         send = torch.empty(chunk.send_numel, dtype=chunk.wire_dtype, device=chunk.device)
         for pack in chunk.packs:
+            if pack.index is not None:  # every block of a cut unit: one momentum call, one index kernel
+                piece = torch.empty(pack.mine, dtype=chunk.wire_dtype, device=chunk.device)
+                steps[pack.param].input_into(piece, pack.region)
+                send.index_copy_(0, pack.index, piece.view(-1))
+                continue
             slot = _piece(send, pack.offset, pack.padded, pack.mine)
             if slot.numel():
                 steps[pack.param].input_into(slot, pack.region)
@@ -235,6 +210,8 @@ def start_gather(chunk: Chunk, steps: Sequence[Stages], stats: PipelineStats) ->
 def finish_gather(flight: _Flight, stats: PipelineStats) -> list[torch.Tensor]:
     """Wait for the gather; assemble the whole matrices this rank owns (batched by shape), and
     their row state (``flight.rows``)."""
+    if isinstance(flight.chunk, MoveChunk):
+        return moves.finish_gather(flight, stats)
     with stats.time("gather"):
         if flight.work is not None:
             flight.work.wait()
@@ -284,17 +261,30 @@ def orthogonalize_owned(flight: _Flight, fulls: list[torch.Tensor], steps: Seque
         out: list[torch.Tensor | None] = [None] * len(fulls)
         rows_out: list[torch.Tensor | None] = [None] * len(fulls)
         # Blocks of cut units first (their group's other owners wait on them), in the unit order
-        # every rank shares: each is a sequence of blocking collectives on its group.  A block's
-        # row state (NorMuon's v of its rows) goes in and comes out like a whole unit's; its
-        # statistics over the whole matrix are the split stage's own collective.
+        # every rank shares: each call is a sequence of collectives on its group.  Cut units of one
+        # group with the same block, orientation and stage run as one call (their matrices one
+        # batch, whose halves interleave: plan_world.batch_key).  A block's row state (NorMuon's v
+        # of its rows) goes in and comes out like a whole unit's; its statistics over the whole
+        # matrix are the split stage's own collective.
+        calls: dict[tuple, list[int]] = {}
         for k in sorted((k for k, o in enumerate(chunk.owned) if o.split is not None),
                         key=lambda k: chunk.owned[k].split.unit):
-            o, full = chunk.owned[k], fulls[k]
-            x = full.mT if o.split.transpose else full  # short side first
-            y, rows_out[k] = steps[o.param].orthogonalize_split(x, o.split.widths, o.split.group, flight.rows[k],
-                                                                o.split.transpose)
-            out[k] = (y.mT if o.split.transpose else y).to(full.dtype)
-            stats.split_units += 1
+            o = chunk.owned[k]
+            block = o.shape[:-2] + (o.shape[-1:] + o.shape[-2:-1] if o.split.transpose else o.shape[-2:])
+            calls.setdefault((steps[o.param].batch_key, o.split.ranks, o.split.widths, block, o.row_slots,
+                              o.split.transpose if o.row_slots else None), []).append(k)
+        for ks in calls.values():
+            o = chunk.owned[ks[0]]
+            xs = [fulls[k].mT if chunk.owned[k].split.transpose else fulls[k] for k in ks]  # short side first
+            rows = [flight.rows[k] for k in ks]
+            x = xs[0] if len(ks) == 1 else torch.stack(xs)
+            r = rows[0] if len(ks) == 1 or rows[0] is None else torch.stack(rows)
+            y, new_rows = steps[o.param].orthogonalize_split(x, o.split.widths, o.split.group, r, o.split.transpose)
+            for i, k in enumerate(ks):
+                yi = y if len(ks) == 1 else y[i]
+                out[k] = (yi.mT if chunk.owned[k].split.transpose else yi).to(fulls[k].dtype)
+                rows_out[k] = new_rows if len(ks) == 1 or new_rows is None else new_rows[i]
+            stats.split_units += len(ks)
         for b, batch, row_batch in flight.fulls:
             members = chunk.batches[b]
             o = chunk.owned[members[0]]
@@ -323,6 +313,8 @@ def orthogonalize_owned(flight: _Flight, fulls: list[torch.Tensor], steps: Seque
 def start_scatter(chunk: Chunk, updates: list[torch.Tensor], stats: PipelineStats,
                   rows: Sequence[torch.Tensor | None] = ()) -> _Flight:
     """Cut every owned update (and its new row state, ``rows``) into the members' blocks and send them."""
+    if isinstance(chunk, MoveChunk):
+        return moves.start_scatter(chunk, updates, stats, rows)
     with stats.time("scatter"):
         length = max(chunk.scatter_recv_numel, chunk.exchange_length)  # what the exchange sends from
         alone = chunk.shard_group is None  # one member: what it sends is what it receives
@@ -384,6 +376,10 @@ def finish_update(flight: _Flight, steps: Sequence[Stages], stats: PipelineStats
     with stats.time("update"):
         for u in chunk.updates:
             buffer = scatter if u.source == "scatter" else flight.recv
+            if u.index is not None:  # every block of a cut unit at once (Pack.index)
+                steps[u.param].apply_update(u.region, buffer.index_select(0, u.index).view(u.mine), None)
+                updated.append(steps[u.param])
+                continue
             block = _piece(buffer, u.offset, u.padded, u.mine)
             rows = _row_piece(buffer, u.offset, u.padded, u.mine, u.row_slots) if u.row_slots else None
             if not block.numel() and (rows is None or not rows.numel()):

@@ -27,12 +27,11 @@ Classic form, per step (``method="classic"``, or one-step Gram segments):
     an all-gather assembles B (each rank sends (k-1) p m numbers and takes one more collective).
     Worth it when the FLOPs saved, 2 m^2 (m - p), take longer than the all-gather:
     ``2 m^2 (m - p) / rate > (k-1) p m itemsize / bandwidth + latency``. With p = m / k the
-    bandwidth term alone gives ``m > rate itemsize / (2 bandwidth)`` whatever k; with the latency,
-    on the CUDA model (400 TFLOP/s, 150 GB/s, 20 us, bf16) rows pay from m = 3,100-3,400
-    (m = 1024 stays replicated, Llama-3-70B's m = 8192 splits), on this CPU (fp32 70 GFLOP/s,
-    1.2 GB/s, 250 us) from m = 260-310. ``"auto"`` applies that inequality
-    (:func:`choose_b_split`), a pure function of shape, k, dtype and hardware, so every rank
-    decides alike.
+    bandwidth term alone gives ``m > rate itemsize / (2 bandwidth)`` whatever k; on the CUDA
+    model (bf16 680 TFLOP/s, NVLink 360 GB/s, NCCL latencies) m = 1024 stays replicated and
+    Llama-3-70B's m = 8192 splits; on this CPU (fp32 70 GFLOP/s, 1.2 GB/s, 250 us) rows pay from
+    m = 260-310. ``"auto"`` applies that inequality (:func:`~.split_cost.choose_b_split`), a pure
+    function of shape, k, dtype and hardware, so every rank decides alike.
 
   Microsoft's dion takes neither route: its Muon re-shards with all-to-alls so that each rank
   orthogonalises whole matrices (one matrix per rank and batch of world-size matrices), as our
@@ -42,19 +41,32 @@ Classic form, per step (``method="classic"``, or one-step Gram segments):
 * ``X_i <- a X_i + B X_i``: 2 m^2 n_i FLOPs, local.
 
 Gram form (``gram_restart_plan`` segments of L >= 2 steps): one all-reduce of ``X X^T`` per
-segment, the m x m recursion of :func:`~optimizer.newton_schulz._gram_segment_factor` on every
-rank (``(4 L - 3) 2 m^3`` FLOPs, not split), then ``X_i <- Q X_i``. Segments of one step are classic
-steps (as in the unsplit code). The form and the dtype it runs in are chosen exactly as the
-unsplit call would choose them for the whole matrix (``choose_ns_form`` on the full shape): the
-two forms differ by up to ~1e-3 in fp32, so results must not depend on whether the planner split a
-matrix. The price: where the Gram form is picked (fp32, n > 1.5 m) its replicated m x m recursion,
-``17 m^3`` multiply-adds for 5 steps, caps the gain (2048 x 4096 over 2 ranks: modelled 1.10x, the
-classic form 1.93x). In bf16 "auto" is always the classic form; with ``compute_dtype=None`` on
-CUDA the Gram form runs in fp16 (``newton_schulz.ns_form_dtypes``; in fp16 the first Gram matrix
-is formed from each block scaled by its own norm, see :func:`_normalise_first_gram`). The cost
-model (:func:`split_ns_cost`) takes the dtype it is given (the planner passes the resolved
-compute dtype: bf16 on CUDA, so it models the classic form there). Splitting the recursion's
-products by rows as well (like B) would lift the cap for 3-4 all-gathers per step; not done.
+segment, the m x m recursion of :func:`~optimizer.newton_schulz._gram_segment_factor`
+(``(4 L - 3) 2 m^3`` FLOPs), then ``X_i <- Q X_i``. Segments of one step are classic steps (as in
+the unsplit code). The form and the dtype it runs in are chosen exactly as the unsplit call would
+choose them for the whole matrix (``choose_ns_form`` on the full shape, device and compute dtype,
+with the restart plan ``gram_restart_plan`` gives for that dtype, whatever its segment lengths):
+the two forms differ by up to ~1e-3 in fp32, so results must not depend on whether the planner
+split a matrix. With ``compute_dtype=None`` on CUDA the Gram form runs in fp16
+(``newton_schulz.ns_form_dtypes``; segments such as 2 + 3), the block read and returned in bf16
+(``ns_io_dtype``), and the first Gram matrix formed from each block scaled by its own norm (see
+:func:`_normalise_first_gram`); in bf16 "auto" is always the classic form. The cost model
+(:func:`split_ns_cost`, :meth:`~.split_cost.SplitHardware.form`) takes the form and dtype from the same
+function, so it prices what runs. The recursion runs two ways
+(``recursion``; "auto": :func:`~.split_cost.choose_recursion`, per segment):
+
+  - ``"redundant"``: every member runs all of it (no communication; its m^3 terms do not shrink
+    with k: for 5 steps in one segment, ``17 m^3`` multiply-adds capped the gain at 1.10x for
+    2048 x 4096 over 2 ranks).
+  - ``"rows"``: member j computes its rows ``[j p, (j+1) p)`` of every product (1/k of the
+    FLOPs), and all-gathers assemble what the next product needs whole: per step B = b A + c A^2
+    (from A's rows and the whole A), Q's rows (``a Q + Q B``, or ``B + a I`` first) need B whole;
+    before the next step, ``AQ = a A + A B`` by rows, then the next A = ``a AQ + B AQ`` by
+    *columns* (AQ is symmetric, a polynomial in A: its columns are its rows transposed), which are
+    the next A's rows transposed (A is symmetric too) and are all-gathered; at the end Q is
+    all-gathered for ``X_i <- Q X_i``. 2L all-gathers per segment of L steps, each (k-1) p m
+    numbers per rank; what the unsplit code computes by symmetric blocks (mirroring one triangle)
+    it computes by rows and transposes, the same products in another rounding order.
 
 Normalisation, folded into the first collective. The unsplit code divides the compute-dtype
 matrix by ``max(||X||_F * norm_safety, eps)`` with the norm taken in fp32 (or wider). The first
@@ -94,18 +106,16 @@ No host synchronisation (no ``.item()``), no process-group creation: the caller 
 created once, elsewhere. Every member must call with the same shapes and arguments (``widths`` is
 every member's block width, in group-rank order).
 
-Cost model (pure, no tensors): :func:`split_ns_cost` gives per-rank FLOPs, bytes each rank sends
-(= receives) and the collective count for a shape split over k; :func:`choose_split_ranks` picks
-k; :func:`split_critical_path` is the time of a split unit, to compare with the per-rank ideal
-share. Time = FLOPs / rate + bytes / bandwidth + collectives x latency, with ring collectives
-(all-reduce: each rank sends ``2 (k-1) / k`` of the buffer, all-gather ``(k-1) / k`` of the
-gathered result), nothing overlapped. See :class:`SplitHardware` for the figures.
+The cost model (pure, no tensors) is ``split_cost.py``: :func:`split_ns_cost` gives per-rank
+FLOPs, bytes each rank sends (= receives), the collective count and the modelled time for a shape
+split over k; :func:`choose_split_ranks` picks k; :func:`split_critical_path` is the time of a
+split unit. Its names are re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -120,20 +130,39 @@ from ..newton_schulz import (
     _uses_symmetric_blocks,
     check_ns_method,
     choose_ns_form,
-    choose_ns_method,
     gram_restart_plan,
     ns_io_dtype,
     resolve_ns_coefficients,
 )
-from .owners import split_range_evenly
+from .split_cost import (
+    B_SPLITS,
+    CPU_GLOO,
+    CUDA_NVLINK,
+    RECURSIONS,
+    SplitCost,
+    SplitHardware,
+    check_b_split,
+    check_recursion,
+    choose_b_split,
+    choose_recursion,
+    choose_split_ranks,
+    column_blocks,
+    hardware_for,
+    row_block,
+    split_critical_path,
+    split_ns_cost,
+    wide_dtype,
+)
 
 __all__ = [
     "B_SPLITS",
+    "RECURSIONS",
     "CPU_GLOO",
     "CUDA_NVLINK",
     "SplitCost",
     "SplitHardware",
     "choose_b_split",
+    "choose_recursion",
     "choose_split_ranks",
     "column_blocks",
     "hardware_for",
@@ -144,294 +173,6 @@ __all__ = [
     "squares_per_row",
     "sum_over_group",
 ]
-
-B_SPLITS = ("auto", "replicated", "rows")
-
-
-# ----------------------------------------------------------------------------
-# Hardware figures
-# ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SplitHardware:
-    """What the cost model assumes of one rank and its links.
-
-    ``bandwidth`` is what one rank sends (and receives) per second inside a collective, i.e.
-    nccl-tests' "bus bandwidth": a ring all-reduce of S bytes takes ``2 (k-1)/k S / bandwidth``.
-    ``latency`` is the fixed cost of one collective (launch and synchronisation).
-    """
-
-    name: str
-    bf16_flops: float  # FLOP/s of the Newton-Schulz matmuls in bf16 (and fp16)
-    fp32_flops: float  # ... in fp32 (fp64: half of it)
-    bandwidth: float  # bytes/s
-    latency: float  # s per collective
-    compute_dtype: torch.dtype  # Newton-Schulz's default compute dtype there
-
-    def flops(self, dtype: torch.dtype) -> float:
-        if dtype in (torch.bfloat16, torch.float16):
-            return self.bf16_flops
-        if dtype == torch.float64:
-            return self.fp32_flops / 2
-        return self.fp32_flops
-
-
-# One H100 SXM per rank, the k ranks of a group inside one NVLink node (assumed, not measured
-# here: no GPU was available for this work).
-# - bf16 400 TFLOP/s: effective, not peak. The H100 SXM datasheet gives 989 TFLOP/s dense bf16;
-#   large cuBLAS GEMMs reach ~600-750; Newton-Schulz's skinny blocks and m x m products less.
-# - fp32 50 TFLOP/s: the datasheet's 67 TFLOP/s non-tensor-core fp32 (torch's default
-#   float32_matmul_precision "highest" does not use TF32).
-# - 150 GB/s bus bandwidth: NVLink 4 gives 450 GB/s per direction per GPU; nccl-tests all-reduce
-#   bus bandwidth on 8x H100 is 350-480 GB/s for >= 256 MiB messages but well under half that at
-#   the 1-100 MiB that an m x m Gram matrix is. Across nodes (one 400 Gb/s NIC per GPU) it is at
-#   most 50 GB/s: groups should stay inside a node.
-# - 20 us per collective: NCCL's small-message all-reduce latency on one node (~10-20 us in
-#   nccl-tests) plus a kernel launch.
-CUDA_NVLINK = SplitHardware(
-    name="cuda: H100 SXM, NVLink node (modelled: bf16 400 TFLOP/s, fp32 50 TFLOP/s, 150 GB/s, 20 us)",
-    bf16_flops=400e12,
-    fp32_flops=50e12,
-    bandwidth=150e9,
-    latency=20e-6,
-    compute_dtype=torch.bfloat16,
-)
-
-# This machine (2-core AMD EPYC with AVX512-BF16, torch 2.13.0+cpu), one thread per rank, measured
-# with ``python benchmarks/split_ns.py --calibrate`` (three runs, load average ~1.5-4 from other jobs):
-# - matmul on one thread: fp32 65-88 GFLOP/s at 1024^3 (X X^T shapes 72); bf16 176-192 GFLOP/s at
-#   256^3 (210 at 1024: this CPU has native bf16 dot products, unlike the machines behind
-#   default_compute_dtype's "bf16 ~100x slower" note).
-# - gloo all-reduce between 2 forked ranks over loopback: 236-291 us for 8 bytes; bus bandwidth
-#   0.6-1.6 GB/s for 1-64 MiB (1.0-1.55 GB/s at 64 MiB).
-CPU_GLOO = SplitHardware(
-    name="cpu: gloo over loopback, 1 thread per rank (measured: fp32 70 GFLOP/s, bf16 180 GFLOP/s, 1.2 GB/s, 250 us)",
-    bf16_flops=180e9,
-    fp32_flops=70e9,
-    bandwidth=1.2e9,
-    latency=250e-6,
-    compute_dtype=torch.float32,
-)
-
-
-def hardware_for(device: torch.device | str) -> SplitHardware:
-    """:data:`CUDA_NVLINK` for CUDA devices, :data:`CPU_GLOO` otherwise."""
-    return CUDA_NVLINK if torch.device(device).type == "cuda" else CPU_GLOO
-
-
-# ----------------------------------------------------------------------------
-# Blocks
-# ----------------------------------------------------------------------------
-
-
-def column_blocks(n: int, k: int) -> list[slice]:
-    """The default cut of n columns into k contiguous blocks, the first ``n % k`` one wider."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"column_blocks: k must be a positive int, got {k!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < k:
-        raise ValueError(f"column_blocks: need n >= k columns (every block at least one wide), got n={n!r}, k={k}")
-    return split_range_evenly(n, k)
-
-
-def _row_block(m: int, k: int, j: int) -> tuple[int, int, int]:
-    """Rows of B that rank j computes with ``b_split="rows"``: (start, stop, p), p = ceil(m / k)
-    rows per rank (the last ranks may have fewer, or none); padded to p for the all-gather, so the
-    gathered [k p, m] rows are B's rows in order, the padding after them."""
-    p = -(-m // k)
-    start = min(j * p, m)
-    return start, min(start + p, m), p
-
-
-# ----------------------------------------------------------------------------
-# Cost model
-# ----------------------------------------------------------------------------
-
-
-def _item(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
-def _wide(dtype: torch.dtype, input_dtype: torch.dtype = torch.float32) -> torch.dtype:
-    return torch.promote_types(torch.promote_types(input_dtype, dtype), torch.float32)
-
-
-def _check_b_split(b_split) -> str:
-    if b_split not in B_SPLITS:
-        raise ValueError(f"b_split must be one of {', '.join(map(repr, B_SPLITS))}, got {b_split!r}")
-    return b_split
-
-
-def choose_b_split(
-    shape: Sequence[int], k: int, dtype: torch.dtype | None = None, hardware: SplitHardware | None = None
-) -> str:
-    """``"rows"`` when computing B = b A + c A^2 by row blocks plus an all-gather is modelled
-    faster than computing it on every rank, else ``"replicated"`` (always for k = 1).
-
-    Per classic step and matrix batch: saved ``2 batch m^2 (m - p)`` FLOPs (p = ceil(m/k), the
-    busiest rank's rows) at ``hardware.flops(dtype)``, against ``(k-1) batch p m`` elements sent
-    at ``hardware.bandwidth`` plus one collective's latency. Pure."""
-    hardware = hardware or CUDA_NVLINK
-    dtype = dtype or hardware.compute_dtype
-    if k <= 1:
-        return "replicated"
-    batch = math.prod(shape[:-2])
-    m = min(shape[-2:])
-    p = -(-m // k)
-    saved = 2 * batch * m * m * (m - p) / hardware.flops(dtype)
-    cost = (k - 1) * batch * p * m * _item(dtype) / hardware.bandwidth + hardware.latency
-    return "rows" if saved > cost else "replicated"
-
-
-@dataclass(frozen=True)
-class SplitCost:
-    """Modelled cost of Newton-Schulz on one unit split over k ranks (k = 1: unsplit)."""
-
-    shape: tuple[int, ...]
-    k: int
-    form: str  # "classic" | "gram"
-    b_split: str  # "replicated" | "rows" (of the classic steps)
-    plan: tuple[int, ...]  # segment lengths (all ones for the classic form)
-    flops_per_rank: tuple[int, ...]  # matmul FLOPs of each member (block widths may differ)
-    bytes_per_rank: int  # bytes each member sends (and receives) in the collectives
-    collectives: int
-    time_s: float  # critical path: the busiest member's FLOPs, plus bytes and latencies
-
-    @property
-    def flops(self) -> int:
-        return max(self.flops_per_rank)
-
-    @property
-    def rank_seconds(self) -> float:
-        """k x time: the devices' time the unit occupies (every member waits on the collectives)."""
-        return self.k * self.time_s
-
-
-def split_ns_cost(
-    shape: Sequence[int],
-    k: int,
-    ns_steps: int = 5,
-    method: str = "auto",
-    dtype: torch.dtype | None = None,
-    coefficients: CoefficientSpec = "fixed",
-    b_split: str = "auto",
-    hardware: SplitHardware | None = None,
-    widths: Sequence[int] | None = None,
-) -> SplitCost:
-    """FLOPs per rank, bytes per rank, collectives and modelled time of Newton-Schulz on ``shape``
-    (``[..., m, n]``, either orientation: the long side is split) over k ranks.
-
-    ``dtype``: the compute dtype (None: the hardware's default); ``widths``: the members' block
-    widths (default :func:`column_blocks`). FLOPs count the matmuls as
-    :func:`~optimizer.newton_schulz.newton_schulz_flops` does (2 per multiply-add; k = 1 gives
-    exactly its count), per member with block width w, s = min(m, n):
-
-    * classic step: ``2 s^2 w`` (local Gram) + ``2 s^3`` (B, replicated) or ``2 r s^2`` (B, rows;
-      r = that member's rows) + ``2 s^2 w`` (B X); one all-reduce of ``s^2`` (+ an all-gather of
-      ``k p s`` with rows).
-    * Gram segment of L >= 2 steps: ``2 s^2 w`` + ``(4 L - 3) 2 s^3`` + ``2 s^2 w``; one all-reduce.
-
-    All per matrix of the batch, one collective for the whole batch. The first all-reduce is in
-    the wide dtype (fp32 for bf16/fp32) and carries one more number per matrix (the norm).
-    Elementwise work is ignored. Pure: the same answer on every rank."""
-    hardware = hardware or CUDA_NVLINK
-    dtype = dtype or hardware.compute_dtype
-    shape = tuple(int(d) for d in shape)
-    if len(shape) < 2:
-        raise ValueError(f"split_ns_cost needs a shape [..., m, n], got {shape}")
-    check_ns_method(method)
-    _check_b_split(b_split)
-    steps = resolve_ns_coefficients(coefficients, ns_steps)
-    batch = math.prod(shape[:-2])
-    s, l = min(shape[-2:]), max(shape[-2:])
-    if widths is None:
-        widths = [sl.stop - sl.start for sl in column_blocks(l, k)] if k <= l else None
-    if widths is None or len(widths) != k or sum(widths) != l or min(widths) < 1:
-        raise ValueError(f"split_ns_cost: cannot split {l} columns over k={k} ranks as {widths}")
-    form = choose_ns_method(shape, ns_steps, method, dtype, steps)
-    plan = gram_restart_plan(steps, ns_steps, dtype) if form == "gram" else (1,) * ns_steps
-    rows = k > 1 and (b_split == "rows" or (b_split == "auto" and choose_b_split(shape, k, dtype, hardware) == "rows"))
-    p = -(-s // k)
-    item, wide = _item(dtype), _item(_wide(dtype))
-    ring = 2 * (k - 1) / k  # all-reduce: share of the buffer each rank sends
-    flops = [0] * k
-    sent = 0.0
-    collectives = 0
-    for i, length in enumerate(plan):
-        if k > 1:  # the segment's (or step's) Gram all-reduce
-            sent += ring * batch * (s * s * wide + wide if i == 0 else s * s * item)
-            collectives += 1
-        for j, w in enumerate(widths):
-            flops[j] += 2 * batch * s * s * w * 2  # X_i X_i^T and the left product
-        if length == 1:
-            if rows:
-                for j in range(k):
-                    r0, r1, _ = _row_block(s, k, j)
-                    flops[j] += 2 * batch * (r1 - r0) * s * s
-                sent += (k - 1) * batch * p * s * item
-                collectives += 1
-            else:
-                flops = [f + 2 * batch * s**3 for f in flops]
-        else:
-            flops = [f + 2 * batch * (4 * length - 3) * s**3 for f in flops]
-    time = max(flops) / hardware.flops(dtype) + sent / hardware.bandwidth + collectives * hardware.latency
-    return SplitCost(
-        shape=shape, k=k, form=form, b_split="rows" if rows else "replicated", plan=tuple(plan),
-        flops_per_rank=tuple(flops), bytes_per_rank=int(round(sent)), collectives=collectives, time_s=time,
-    )
-
-
-def split_critical_path(
-    shape: Sequence[int],
-    k: int,
-    hardware: SplitHardware | None = None,
-    ns_steps: int = 5,
-    method: str = "auto",
-    dtype: torch.dtype | None = None,
-    coefficients: CoefficientSpec = "fixed",
-) -> float:
-    """Modelled seconds from the first to the last kernel of a unit split over k ranks (all k
-    members are busy, or waiting in its collectives, for that long). Compare it with the per-rank
-    ideal share (model FLOPs / world / rate) to decide whether a unit needs splitting."""
-    return split_ns_cost(shape, k, ns_steps, method, dtype, coefficients, "auto", hardware).time_s
-
-
-def choose_split_ranks(
-    shape: Sequence[int],
-    max_ranks: int,
-    hardware: SplitHardware | None = None,
-    ns_steps: int = 5,
-    method: str = "auto",
-    dtype: torch.dtype | None = None,
-    coefficients: CoefficientSpec = "fixed",
-    candidates: Sequence[int] | None = None,
-    target_s: float | None = None,
-    tolerance: float = 0.1,
-) -> int:
-    """k (1: do not split) for ``shape``, from :func:`split_critical_path` of each candidate k.
-
-    ``candidates``: the k to consider (default 1 and the powers of two up to ``max_ranks``;
-    never more than the long side). The answer is the smallest k whose time is within
-    ``tolerance`` of the fastest candidate's: past the point where the collectives dominate, more
-    ranks buy almost nothing (a 512 x 512 fp32 matrix on CPU_GLOO: 16.3 ms at k = 64, 15.7 ms at
-    k = 512) and every member is held for the whole unit. With ``target_s`` (e.g. the per-rank
-    ideal share), the smallest k whose time is within it, if any: no more ranks than the unit
-    needs. Pure: no tensors, the same answer on every rank."""
-    if isinstance(max_ranks, bool) or not isinstance(max_ranks, int) or max_ranks < 1:
-        raise ValueError(f"choose_split_ranks: max_ranks must be a positive int, got {max_ranks!r}")
-    if not tolerance >= 0:
-        raise ValueError(f"choose_split_ranks: tolerance must be >= 0, got {tolerance!r}")
-    l = max(int(d) for d in tuple(shape)[-2:])
-    if candidates is None:
-        candidates = [1 << e for e in range(max_ranks.bit_length()) if (1 << e) <= max_ranks]
-    ks = sorted({1, *(int(c) for c in candidates if 1 <= int(c) <= min(max_ranks, l))})
-    times = [(split_critical_path(shape, k, hardware, ns_steps, method, dtype, coefficients), k) for k in ks]
-    if target_s is not None:
-        within = [k for t, k in times if t <= target_s]
-        if within:
-            return within[0]
-    best = min(t for t, _ in times)
-    return next(k for t, k in times if t <= best * (1 + tolerance))
 
 
 # ----------------------------------------------------------------------------
@@ -460,6 +201,7 @@ def split_zeropower_via_newtonschulz(
     method: str = "auto",
     *,
     b_split: str = "auto",
+    recursion: str = "auto",
     hardware: SplitHardware | None = None,
 ) -> Tensor:
     """This rank's column block of ``zeropower_via_newtonschulz(G, ...)``, G split over ``group``.
@@ -471,20 +213,82 @@ def split_zeropower_via_newtonschulz(
     iteration. The other arguments are :func:`~optimizer.newton_schulz.zeropower_via_newtonschulz`'s
     and mean the same (the form "auto" picks is the one it picks for the whole matrix).
     ``b_split``: how B = b A + c A^2 is computed in classic steps ("replicated", "rows" or "auto":
-    :func:`choose_b_split` with ``hardware``, default :func:`hardware_for` the device). Returns
-    the block in the compute dtype. Collective: every member calls it with the same arguments.
+    :func:`choose_b_split` with ``hardware``, default :func:`hardware_for` the device);
+    ``recursion``: how a Gram segment's m x m recursion runs ("redundant", "rows" or "auto":
+    :func:`choose_recursion`, per segment). Returns the block in the compute dtype. Collective:
+    every member calls it with the same arguments.
     """
     return _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm_safety, method,
-                     b_split, hardware, None)
+                     b_split, hardware, None, recursion)
 
 
 def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm_safety, method, b_split,
-              hardware, record):
+              hardware, record, recursion="auto"):
     """The implementation; ``record`` (tests): a list that receives every replicated matrix."""
+    k, rank, widths, steps, norm_safety = _checked_call(X, widths, group, ns_steps, coefficients,
+                                                         norm_safety, method, b_split)
+    check_recursion(recursion)
+    m, ni = X.shape[-2], X.shape[-1]
+    full = (*X.shape[:-1], sum(widths))
+    form, dtype = choose_ns_form(full, ns_steps, method, compute_dtype, steps, X.device)  # as the unsplit call
+    io = ns_io_dtype(X.dtype, dtype)  # the compute dtype, or bf16 for fp16 on a wider input
+    if X.numel() == 0:  # no rows, or an empty batch: the same on every member, no collective
+        return torch.zeros(X.shape, dtype=io, device=X.device)
+    plan = gram_restart_plan(steps, ns_steps, dtype) if form == "gram" else (1,) * ns_steps
+    hardware = hardware or hardware_for(X.device)
+    if b_split == "auto":
+        b_split = choose_b_split(full, k, dtype, hardware)
+    rows = k > 1 and b_split == "rows"
+    ways = [recursion if recursion != "auto" else choose_recursion(full, k, length, dtype, hardware)
+            for length in plan]
+
+    Xb = X.to(io).reshape(-1, m, ni)
+    symmetric = _uses_symmetric_blocks(Xb)
+    # Two or more matrices: two halves, interleaved, so that one half's collectives run while the
+    # other half computes (every member runs the same schedule, so the group sees one order).
+    halves = [Xb] if Xb.shape[0] < 2 or k == 1 else list(torch.tensor_split(Xb, 2))
+
+    def iteration(half):
+        if half.shape[0] == 1:  # 2-D kernels for a single matrix, as the unsplit code
+            half = half[0]
+        half, A = yield from _normalise_first_gram(half, X.dtype, dtype, norm_safety, eps, symmetric, k, group)
+        return (yield from _iterate(half, A, steps, plan, rows, ways, symmetric, k, rank, group, record))
+
+    outs = _interleaved([iteration(h) for h in halves])
+    out = outs[0] if len(outs) == 1 else torch.cat([o.reshape(-1, m, ni) for o in outs])
+    return out.reshape(X.shape).to(io)
+
+
+def _interleaved(runs) -> list:
+    """Run generators that yield an async collective's work each time they must wait on one:
+    resume each only once its work is done, taking them in turn (a deterministic order, the
+    same on every member), so that one's collective overlaps the others' products.  Returns
+    what each returns."""
+    results = [None] * len(runs)
+    pending: deque = deque()
+
+    def advance(i, run):
+        try:
+            pending.append((i, run, next(run)))
+        except StopIteration as done:
+            results[i] = done.value
+
+    for i, run in enumerate(runs):
+        advance(i, run)
+    while pending:
+        i, run, work = pending.popleft()
+        work.wait()
+        advance(i, run)
+    return results
+
+
+def _checked_call(X, widths, group, ns_steps, coefficients, norm_safety, method, b_split):
+    """The group's size and this rank's place in it, the widths as ints, the coefficient triples,
+    the norm safety factor; a clear error for anything inconsistent."""
     if X.ndim < 2:
         raise ValueError(f"split_zeropower_via_newtonschulz expects a block [..., m, n_i], got shape {tuple(X.shape)}")
     check_ns_method(method)
-    _check_b_split(b_split)
+    check_b_split(b_split)
     k, rank = _group_size_rank(group)
     widths = tuple(int(w) for w in widths)
     m, ni = X.shape[-2], X.shape[-1]
@@ -504,60 +308,58 @@ def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm
         norm_safety = NS_NORM_SAFETY.get(coefficients, 1.0) if isinstance(coefficients, str) else 1.0
     if not norm_safety > 0:
         raise ValueError(f"norm_safety must be positive, got {norm_safety!r}")
-    full = (*X.shape[:-1], n)
-    form, dtype = choose_ns_form(full, ns_steps, method, compute_dtype, steps, X.device)  # as the unsplit call
-    io = ns_io_dtype(X.dtype, dtype)
-    if X.numel() == 0:  # no rows, or an empty batch: the same on every member, no collective
-        return torch.zeros(X.shape, dtype=io, device=X.device)
-    plan = gram_restart_plan(steps, ns_steps, dtype) if form == "gram" else (1,) * ns_steps
-    if b_split == "auto":
-        b_split = choose_b_split(full, k, dtype, hardware or hardware_for(X.device))
-    rows = k > 1 and b_split == "rows"
+    return k, rank, widths, steps, norm_safety
 
-    Xb = X.to(io).reshape(-1, m, ni)  # io: the compute dtype, or bf16 for fp16 (ns_io_dtype)
-    if Xb.shape[0] == 1:  # 2-D kernels for a single matrix, as the unsplit code
-        Xb = Xb[0]
-    symmetric = _uses_symmetric_blocks(Xb)
+
+def _iterate(Xb, A, steps, plan, rows, ways, symmetric, k, rank, group, record):
+    """The segments of ``plan`` on this rank's normalised block ``Xb``, ``A`` being its first Gram
+    matrix (already summed over the group): one all-reduce of the next Gram matrix per segment
+    after the first; a one-step segment is a classic step (B replicated, or by ``rows`` and
+    an all-gather), a longer one runs the m x m recursion (``ways``: "redundant" or "rows", per
+    segment) and applies its factor Q.  A generator (:func:`_interleaved`): it yields each
+    collective's work before it needs the result, and returns the block."""
     addmm = torch.addmm if Xb.ndim == 2 else torch.baddbmm
     mm = torch.mm if Xb.ndim == 2 else torch.bmm
-
-    Xb, A = _normalise_first_gram(Xb, X.dtype, dtype, norm_safety, eps, symmetric, k, group)
     first = 0
-    for length in plan:
+    for length, way in zip(plan, ways):
         segment, first = steps[first : first + length], first + length
         if A is None:
             A = _symmetric_product(Xb, Xb.mT, blocks=symmetric)
             if k > 1:
-                dist.all_reduce(A, group=group)
+                yield dist.all_reduce(A, group=group, async_op=True)
         if record is not None:
             record.append(A)
         if length == 1:
             a, b, c = segment[0]
             if rows:
-                B = _b_rows(A, b, c, k, rank, group)
+                B = yield from _b_rows(A, b, c, k, rank, group)
             else:
                 B = _symmetric_product(A, A, A, beta=b, alpha=c, blocks=symmetric)
             if record is not None:
                 record.append(B)
             Xb = addmm(Xb, B, Xb, beta=a)  # a X_i + B X_i
         else:
-            Q = _gram_segment_factor(A, segment, symmetric)
+            if k > 1 and way == "rows":
+                Q = yield from _gram_factor_rows(A, segment, k, rank, group, record)
+            else:
+                Q = _gram_segment_factor(A, segment, symmetric)
             if record is not None:
                 record.append(Q)
             Xb = mm(Q, Xb)
         A = None
-    return Xb.reshape(X.shape).to(io)
+    return Xb
 
 
 def _normalise_first_gram(Xb, input_dtype, dtype, norm_safety, eps, symmetric, k, group):
     """The block divided by the whole matrix's norm (times ``norm_safety``, at least ``eps``) and
-    the first Gram matrix, from one all-reduce of ``[G_i G_i^T, ||G_i||^2]`` in the wide dtype.
+    the first Gram matrix, from one all-reduce of ``[G_i G_i^T, ||G_i||^2]`` in the wide dtype
+    (a generator, as :func:`_iterate`).
 
     ``Xb`` is the block as read (``ns_io_dtype``: the compute dtype, or bf16 for fp16). In fp16 the
     unscaled block's Gram matrix could pass 65504, so its own norm scales it into [-1, 1] first
     and scales the fp16 product back in the wide dtype: ``||G_i||^2 (Y_i Y_i^T)``, Y_i = G_i / ||G_i||
     (another rounding path than the unsplit product of the normalised matrix, as bf16's is)."""
-    wide = _wide(dtype, input_dtype)
+    wide = wide_dtype(dtype, input_dtype)
     lead, m = Xb.shape[:-2], Xb.shape[-2]
     count = math.prod(lead)
     buf = torch.empty(count * m * m + count, dtype=wide, device=Xb.device)
@@ -574,34 +376,71 @@ def _normalise_first_gram(Xb, input_dtype, dtype, norm_safety, eps, symmetric, k
     else:
         gram.copy_(_symmetric_product(Xb, Xb.mT, blocks=symmetric))
     if k > 1:
-        dist.all_reduce(buf, group=group)
+        yield dist.all_reduce(buf, group=group, async_op=True)
     scale = (squares.sqrt() * norm_safety).clamp_min(eps)
     X = torch.div(Xb, scale, out=torch.empty(Xb.shape, dtype=dtype, device=Xb.device))
     A = torch.div(gram, scale * scale, out=torch.empty(gram.shape, dtype=dtype, device=Xb.device))
     return X, A
 
 
-def _b_rows(A: Tensor, b: float, c: float, k: int, rank: int, group) -> Tensor:
-    """B = b A + c A^2 with each member computing its rows, then one all-gather."""
-    m = A.shape[-1]
-    start, stop, p = _row_block(m, k, rank)
-    lead = A.shape[:-2]
+def _b_rows(A: Tensor, b: float, c: float, k: int, rank: int, group):
+    """B = b A + c A^2 with each member computing its rows, then one all-gather (a generator)."""
+    start, stop, p = row_block(A.shape[-1], k, rank)
     addmm = torch.addmm if A.ndim == 2 else torch.baddbmm
-    part = addmm(A[..., start:stop, :], A[..., start:stop, :], A, beta=b, alpha=c)
-    if stop - start < p:  # pad to p rows (the last members); the padding is dropped below
-        padded = A.new_zeros((*lead, p, m))
-        padded[..., : stop - start, :] = part
+    mine = A[..., start:stop, :]
+    return (yield from _gather_rows(addmm(mine, mine, A, beta=b, alpha=c), k, p, group))
+
+
+def _gram_factor_rows(A: Tensor, segment, k: int, rank: int, group, record):
+    """Q of one Gram segment (:func:`~optimizer.newton_schulz._gram_segment_factor`'s products)
+    with each member computing its rows of every product, and 2L all-gathers (module docstring;
+    a generator). ``A`` is the segment's Gram matrix, whole and the same on every member; so is
+    what returns."""
+    m = A.shape[-1]
+    start, stop, p = row_block(m, k, rank)
+    addmm = torch.addmm if A.ndim == 2 else torch.baddbmm
+    Q = None
+    for j, (a, b, c) in enumerate(segment):
+        mine = A[..., start:stop, :]
+        B_rows = addmm(mine, mine, A, beta=b, alpha=c)  # b A + c A A
+        B = yield from _gather_rows(B_rows, k, p, group)
+        if record is not None:
+            record.append(B)
+        if Q is None:  # q(A) = a I + B: the identity's ones sit at (i, start + i) of these rows
+            Q = B_rows.clone()
+            Q[..., :, start:stop].diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            Q = addmm(Q, Q, B, beta=a)  # Q q(A) = a Q + Q B
+        if j + 1 < len(segment):
+            AQ_rows = addmm(mine, mine, B, beta=a)  # A q(A) = a A + A B
+            # the next A = q(A) A q(A) = a AQ + B AQ, by columns: AQ's columns are its rows transposed
+            columns = addmm(AQ_rows.mT, B, AQ_rows.mT, beta=a)
+            A = yield from _gather_rows(columns.mT, k, p, group)  # symmetric: its rows are these columns transposed
+            if record is not None:
+                record.append(A)
+    return (yield from _gather_rows(Q, k, p, group))
+
+
+def _gather_rows(part: Tensor, k: int, p: int, group):
+    """The whole m x m matrix from every member's rows ``part`` (``[..., r, m]``, r <= p: member j
+    holds rows ``[j p, j p + r)``), by one all-gather of p rows each (the last members pad; a
+    generator)."""
+    lead, r, m = part.shape[:-2], part.shape[-2], part.shape[-1]
+    if r < p:  # pad to p rows (the last members); the padding is dropped below
+        padded = part.new_zeros((*lead, p, m))
+        padded[..., :r, :] = part
         part = padded
-    gathered = A.new_empty((k, *lead, p, m))
-    _all_gather(gathered.view(-1), part.contiguous().view(-1), group=group)  # flat: what every backend takes
-    if A.ndim == 2:
+    gathered = part.new_empty((k, *lead, p, m))
+    flat = part.contiguous().view(-1)  # flat: what every backend takes
+    yield _all_gather(gathered.view(-1), flat, group=group, async_op=True)
+    if part.ndim == 2:
         return gathered.view(k * p, m)[:m]
     return gathered.movedim(0, -3).reshape(*lead, k * p, m)[..., :m, :]
 
 
 def squares_per_row(block: Tensor) -> Tensor:
     """Each row's sum of squares of ``block`` ``[..., r, c]``: ``[..., r]`` in fp32 (or wider)."""
-    return torch.linalg.vector_norm(block, dim=-1, dtype=_wide(block.dtype, block.dtype)).square()
+    return torch.linalg.vector_norm(block, dim=-1, dtype=wide_dtype(block.dtype, block.dtype)).square()
 
 
 def sum_over_group(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:

@@ -54,7 +54,7 @@ import torch
 
 from ..distributed.placements import Index
 from .owners import assign_owners_grouped, split_range_evenly
-from .split_newton_schulz import SplitCost, SplitHardware, split_ns_cost
+from .split_cost import SplitCost, SplitHardware, split_ns_cost
 
 # Largest k for "auto": the GPUs of one NVLink node (CUDA_NVLINK models a group inside one).
 SPLIT_MAX_RANKS = 8
@@ -73,9 +73,9 @@ NS_SPLIT_MODES = ("auto", "never", "always")
 
 
 @functools.lru_cache(maxsize=8192)
-def _cost(shape: tuple[int, ...], k: int, ns_steps: int, method: str, coefficients, dtype: torch.dtype,
-          hardware: SplitHardware) -> SplitCost:
-    return split_ns_cost(shape, k, ns_steps, method, dtype, coefficients, "auto", hardware)
+def _cost(shape: tuple[int, ...], k: int, ns_steps: int, method: str, coefficients, dtype: torch.dtype | None,
+          hardware: SplitHardware, units: int = 1) -> SplitCost:
+    return split_ns_cost(shape, k, ns_steps, method, dtype, coefficients, "auto", hardware, units=units)
 
 
 def _hashable(coefficients):
@@ -97,21 +97,27 @@ class SplitModel:
     ns_steps: int
     method: str
     coefficients: object  # a table name or a tuple of triples
-    dtype: torch.dtype  # Newton–Schulz's compute dtype
+    dtype: torch.dtype | None  # Newton–Schulz's compute dtype as the user set it (None: the device's, per form)
     max_ranks: int = SPLIT_MAX_RANKS
 
     @staticmethod
-    def of(mode: str, hardware: SplitHardware, ns_steps: int, method: str, coefficients, dtype: torch.dtype,
+    def of(mode: str, hardware: SplitHardware, ns_steps: int, method: str, coefficients, dtype: torch.dtype | None,
            max_ranks: int = SPLIT_MAX_RANKS) -> "SplitModel":
         return SplitModel(mode, hardware, ns_steps, method, _hashable(coefficients), dtype, max_ranks)
 
-    def cost(self, shape: Sequence[int], k: int) -> SplitCost:
+    def cost(self, shape: Sequence[int], k: int, units: int = 1) -> SplitCost:
         return _cost(tuple(int(d) for d in shape), int(k), self.ns_steps, self.method, self.coefficients,
-                     self.dtype, self.hardware)
+                     self.dtype, self.hardware, int(units))
 
-    def member_cost(self, shape: Sequence[int], k: int) -> float:
-        """FLOP-equivalents that each of the k members is busy with the unit: its modelled time x rate."""
-        return self.cost(shape, k).time_s * self.hardware.flops(self.dtype)
+    def member_cost(self, shape: Sequence[int], k: int, units: int | None = None) -> float:
+        """FLOP-equivalents that each of the k members is busy with one unit: its modelled time x
+        rate, in a call with ``units`` same-shape units (their halves interleaved).  By default a
+        single matrix cut over k > 1 ranks is assumed to find a partner of its shape on its group
+        (two units); the plan then charges every cut unit what the call it runs in costs
+        (``plan_world.batch_costs``)."""
+        if units is None:
+            units = 2 if k > 1 and math.prod(tuple(shape)[:-2]) == 1 else 1
+        return self.cost(shape, k, units).time_s * self.hardware.rate(self.dtype) / units
 
 
 # ----------------------------------------------------------------------------
@@ -277,10 +283,22 @@ def rank_sets(shape: Sequence[int], layout, model: SplitModel | None) -> set[tup
     if layout.num_replicas > 1:
         for b in layout.batch_coordinates():
             candidate_sets.append(tuple(sorted(layout.holders(b))))
+    if movable_layout(layout, len(shape), model):  # experts held whole move over the mesh (plan_moves.py)
+        everyone = tuple(sorted(layout.grid.ranks))
+        candidate_sets.append(everyone)
+        out.add(everyone)  # the moves' all-to-all
     for cands in dict.fromkeys(candidate_sets):
         for k in auto_ks(model, shape[-2:], len(cands)):
             out.update(aligned_groups(cands, k))
     return out
+
+
+def movable_layout(layout, ndim: int, model: SplitModel | None) -> bool:
+    """Experts held whole whose units may move to other ranks (``plan_moves.py``): a stack of
+    matrices whose every mesh dim shards the stack's dim (no matrix dim sharded, no replicas),
+    with ``ns_split="auto"``."""
+    return (model is not None and model.mode == "auto" and layout is not None and ndim >= 3
+            and layout.shard_group_size == 1 and layout.num_replicas == 1 and bool(layout.batch_dims))
 
 
 # ----------------------------------------------------------------------------
@@ -299,6 +317,7 @@ class UnitOptions:
     member_cost: Callable[[int], float] | None = None
     groups: Callable[[int], tuple[tuple[int, ...], ...]] | None = None
     forced: int = 1
+    alone: Callable[[int], float] | None = None  # member cost at k with no partner (member_cost assumes one)
 
     def next_k(self, k: int) -> int | None:
         """The next allowed k above k whose member cost is lower than at k."""
@@ -323,8 +342,46 @@ def assign(units: Sequence[UnitOptions], ks: Sequence[int],
     return assign_owners_grouped(costs, candidates, groups if any(k > 1 for k in ks) else None, held)
 
 
+def assign_paired(units: Sequence[UnitOptions], ks: Sequence[int], held: dict[int, float] | None,
+                  keys: Sequence[object]) -> tuple[list[int], dict[int, float]]:
+    """:func:`assign`, with cut units of one key (``keys[i]``: what lets two units run as one call)
+    and one k taken two by two, as one item, onto one group: there the runtime runs them as one
+    call whose halves interleave (``member_cost`` assumes that partner)."""
+    items: list[UnitOptions] = []
+    item_ks: list[int] = []
+    members: list[list[int]] = []
+    waiting: dict[tuple, int] = {}
+    count: dict[tuple, int] = {}
+    for i, k in enumerate(ks):
+        if k > 1:
+            count[(keys[i], k)] = count.get((keys[i], k), 0) + 1
+    for i, (u, k) in enumerate(zip(units, ks)):
+        # pairs only where units outnumber their groups: else alone, each on a group of its own, is faster
+        pairing = k > 1 and count[(keys[i], k)] > len(u.groups(k))
+        slot = waiting.pop((keys[i], k), None) if pairing else None
+        if slot is None:
+            if pairing:
+                waiting[(keys[i], k)] = len(items)
+            elif k > 1 and u.alone is not None:
+                u = UnitOptions(u.cost, u.candidates, u.ks, u.alone, u.groups, u.forced, u.alone)
+            items.append(u)
+            item_ks.append(k)
+            members.append([i])
+            continue
+        a = items[slot]
+        items[slot] = UnitOptions(a.cost + u.cost, a.candidates, a.ks,
+                                  lambda c, f=a.member_cost, g=u.member_cost: f(c) + g(c), a.groups, a.forced)
+        members[slot].append(i)
+    owners, loads = assign(items, item_ks, held)
+    out = [0] * len(units)
+    for owner, indices in zip(owners, members):
+        for i in indices:
+            out[i] = owner
+    return out, loads
+
+
 def choose_ks(units: Sequence[UnitOptions], world: int,
-              held: Callable[[], dict[int, float]] = dict) -> list[int] | None:
+              held: Callable[[], dict[int, float]] = dict, keys: Sequence[object] | None = None) -> list[int] | None:
     """k per unit (see the module docstring), or None when every unit stays whole.  ``held()``:
     every rank's load from units it orthogonalises where it is, which no cut can move (the busiest
     rank counts them)."""
@@ -334,18 +391,26 @@ def choose_ks(units: Sequence[UnitOptions], world: int,
     if not auto or max(units[i].cost for i in auto) <= TRIGGER * total / max(1, world):
         return ks if any(k > 1 for k in ks) else None
     base = held()
-    best = _busiest(units, ks, base)
+    best = _busiest(units, ks, base, keys)
     while True:  # each pass keeps the first move that pays: one class, costliest first, else two together
-        classes = [(cls, steps) for cls in _classes(units, auto, ks)
-                   if (steps := {i: k for i in cls if (k := units[i].next_k(ks[i])) is not None})]
-        moves = [[steps] for _, steps in classes]
-        moves += [[a, b] for n, (_, a) in enumerate(classes) for _, b in classes[n + 1:]]
+        # per class, its next k, then the later ones (with pairs, two units at k = 2 can cost as
+        # much as the two whole while at k = 4 they pay): one class, else two together
+        classes = []
+        for cls in _classes(units, auto, ks):
+            steps = {i: k for i in cls if (k := units[i].next_k(ks[i])) is not None}
+            if steps:
+                later = {i: _later_ks(units[i], k) for i, k in steps.items()}
+                depth = max(len(v) for v in later.values())
+                classes.append([steps] + [{i: (v[min(d, len(v) - 1)] if v else steps[i]) for i, v in later.items()}
+                                          for d in range(depth)])
+        moves = [[steps] for options in classes for steps in options]
+        moves += [[a, b] for n, first in enumerate(classes) for later in classes[n + 1:] for a in first for b in later]
         for move in moves:
             trial = list(ks)
             for steps in move:
                 for i, k in steps.items():
                     trial[i] = k
-            busiest = _busiest(units, trial, base)
+            busiest = _busiest(units, trial, base, keys)
             if busiest <= best * (1 - MIN_GAIN):
                 ks, best = trial, busiest
                 break
@@ -354,8 +419,19 @@ def choose_ks(units: Sequence[UnitOptions], world: int,
     return ks if any(k > 1 for k in ks) else None
 
 
-def _busiest(units: Sequence[UnitOptions], ks: Sequence[int], held: dict[int, float]) -> float:
-    _, loads = assign(units, ks, held)
+def _later_ks(unit: UnitOptions, k: int) -> list[int]:
+    """The allowed k above ``k`` (the next one excepted), each modelled faster than the one before."""
+    out, here = [], unit.member_cost(k)
+    for c in unit.ks:
+        if c > k and unit.member_cost(c) < here:
+            out.append(c)
+            here = unit.member_cost(c)
+    return out
+
+
+def _busiest(units: Sequence[UnitOptions], ks: Sequence[int], held: dict[int, float],
+             keys: Sequence[object] | None = None) -> float:
+    _, loads = assign(units, ks, held) if keys is None else assign_paired(units, ks, held, keys)
     return max(loads.values(), default=0.0)
 
 

@@ -29,6 +29,7 @@ class PipelineStats:
         self.all_gathers = 0
         self.split_units = 0  # blocks of cut units this rank orthogonalised with their group (ns_split)
         self.split_bytes = 0  # what this rank sent in their collectives (modelled; = received)
+        self.moved_units = 0  # units (or blocks) held whole by another rank that this rank orthogonalised
 
     @property
     def seconds(self) -> dict[str, float]:
