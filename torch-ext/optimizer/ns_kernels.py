@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import torch
 
-NS_KERNELS = ("auto", "torch", "triton")
+from .kernels.backend import BACKENDS
+
+# The option's values are the kernel dispatcher's backends, with the same meaning (kernels/backend.py).
+NS_KERNELS = BACKENDS
 
 
 def check_ns_kernels(value) -> str:

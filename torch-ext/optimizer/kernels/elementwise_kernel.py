@@ -39,9 +39,9 @@ except ImportError as error:  # only imported once backend.triton_import_error()
 
 from .backend import interpreting
 from .interpreter_rounding import bf16_round_to_nearest_even
+from .tiles import MAX_BATCH_PER_LAUNCH
 
 INTERPRETED = interpreting()
-MAX_BATCH_PER_LAUNCH = 65_535
 # Entries per program: the interpreter runs programs one by one in numpy, so larger blocks there.
 FLAT_BLOCK, FLAT_WARPS = (8192, 4) if INTERPRETED else (2048, 8)
 TILE, TILE_WARPS = ((64, 64), 4) if INTERPRETED else ((32, 64), 4)

@@ -26,10 +26,9 @@ except ImportError as error:  # only imported once backend.triton_import_error()
 
 from .backend import device_key, interpreting
 from .interpreter_rounding import bf16_round_to_nearest_even
-from .tiles import Tiles, choose_tiles
+from .tiles import MAX_BATCH_PER_LAUNCH, Tiles, as_batch, choose_tiles
 
 INTERPRETED = interpreting()
-MAX_BATCH_PER_LAUNCH = 65_535
 
 
 @triton.jit
@@ -113,8 +112,8 @@ def matmul_add_triton(
     if out is None:
         out = torch.empty((*L.shape[:-1], n), dtype=out_dtype or L.dtype, device=L.device)
     has_c = C is not None and beta != 0.0
-    L3, R3, O3 = _as_batch(L), _as_batch(R), _as_batch(out)
-    C3 = _as_batch(C) if has_c else O3  # never read without HAS_C
+    L3, R3, O3 = as_batch(L), as_batch(R), as_batch(out)
+    C3 = as_batch(C) if has_c else O3  # never read without HAS_C
     batch = L3.shape[0]
     if batch == 0 or m == 0 or n == 0:
         return out
@@ -143,6 +142,3 @@ def matmul_add_triton(
         )
     return out
 
-
-def _as_batch(t: Tensor) -> Tensor:
-    return t if t.ndim == 3 else t.unsqueeze(0)

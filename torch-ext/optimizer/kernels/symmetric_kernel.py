@@ -34,13 +34,11 @@ except ImportError as error:  # only imported once backend.triton_import_error()
 
 from .backend import device_key, interpreting
 from .interpreter_rounding import bf16_round_to_nearest_even
-from .tiles import Tiles, choose_tiles
+from .tiles import MAX_BATCH_PER_LAUNCH, Tiles, as_batch, choose_tiles
 
 # Whether TRITON_INTERPRET was set when the kernel below was defined (Triton decides then).
 INTERPRETED = interpreting()
 
-# Grid axis 1 (the batch) is limited to 65,535 on CUDA.
-MAX_BATCH_PER_LAUNCH = 65_535
 # Tiles of one triangle: the tile numbering computes 8 pid + 1 in int32 (a 741,000-row output at
 # 32-wide tiles; 128-wide tiles reach it at 2.9 million rows).
 MAX_TILES = 1 << 28
@@ -133,8 +131,8 @@ def symmetric_matmul_triton(
     if out is None:
         out = torch.empty((*L.shape[:-1], m), dtype=out_dtype or L.dtype, device=L.device)
     has_c = C is not None and beta != 0.0
-    L3, R3, O3 = _as_batch(L), _as_batch(R), _as_batch(out)
-    C3 = _as_batch(C) if has_c else O3  # never read without HAS_C
+    L3, R3, O3 = as_batch(L), as_batch(R), as_batch(out)
+    C3 = as_batch(C) if has_c else O3  # never read without HAS_C
     batch = L3.shape[0]
     if batch == 0 or m == 0:
         return out
@@ -165,6 +163,3 @@ def symmetric_matmul_triton(
         )
     return out
 
-
-def _as_batch(t: Tensor) -> Tensor:
-    return t if t.ndim == 3 else t.unsqueeze(0)

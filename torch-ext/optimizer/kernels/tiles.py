@@ -21,6 +21,15 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
+from torch import Tensor
+
+# Grid axis 1 (the batch) is limited to 65,535 on CUDA: every launcher splits larger batches.
+MAX_BATCH_PER_LAUNCH = 65_535
+
+
+def as_batch(t: Tensor) -> Tensor:
+    """``t`` as ``[batch, m, n]``: a matrix becomes a batch of one (a view)."""
+    return t if t.ndim == 3 else t.unsqueeze(0)
 
 
 @dataclass(frozen=True)
