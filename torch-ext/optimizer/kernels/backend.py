@@ -103,13 +103,15 @@ def available(device: torch.device | str = "cuda", dtype: torch.dtype | None = N
     return unavailable_reason(device, dtype) is None
 
 
-def resolve(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``"triton"`` or ``"torch"`` for one call; raises if ``"triton"`` was asked for and cannot run."""
+def resolve(backend: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """``"triton"`` or ``"torch"`` for one call (on operands of ``dtype``, where the call's kind
+    limits it); raises if ``"triton"`` was asked for and cannot run."""
     check_backend(backend)
+    device = torch.device(device)
     if backend == "torch":
         return "torch"
     if backend == "auto":
-        if device.type != "cuda" or dtype not in KERNEL_DTYPES:
+        if device.type != "cuda" or (dtype is not None and dtype not in KERNEL_DTYPES):
             return "torch"
         return "triton" if unavailable_reason(device, dtype) is None else "torch"
     reason = unavailable_reason(device, dtype)

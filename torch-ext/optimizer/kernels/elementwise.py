@@ -19,7 +19,7 @@ from numbers import Real
 import torch
 from torch import Tensor
 
-from .backend import check_backend, unavailable_reason
+from .backend import resolve as resolve_backend
 from .elementwise_reference import apply_update_reference, decay_factor, momentum_nesterov_reference
 from .operands import _overlap
 
@@ -30,18 +30,10 @@ MAX_DIMS = 3
 
 
 def resolve(backend: str, device: torch.device | str) -> str:
-    """``"triton"`` or ``"torch"`` for the stages of a piece on ``device``; raises a RuntimeError
-    with the reason if ``"triton"`` was asked for and cannot run."""
-    check_backend(backend)
-    device = torch.device(device)
-    if backend == "torch":
-        return "torch"
-    reason = unavailable_reason(device)
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and reason is None else "torch"
-    if reason is not None:
-        raise RuntimeError(f"backend='triton' cannot run on {device}: {reason}. Use backend='torch' or 'auto'.")
-    return "triton"
+    """``"triton"`` or ``"torch"`` for the stages of a piece on ``device``: the dispatcher's rule
+    (backend.resolve; the stages' dtypes are checked by :func:`takes`); raises a RuntimeError with
+    the reason if ``"triton"`` was asked for and cannot run."""
+    return resolve_backend(backend, device)
 
 
 def takes(*dtypes: torch.dtype) -> bool:
