@@ -15,7 +15,7 @@ static plan, ``step.py`` does the per-step device math, ``report.py`` says what 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..attention_layouts import FUSED_QKV_LAYOUTS, FusedQKV, MLAHeads
@@ -236,3 +236,17 @@ def classify_qk_param(name: str, cfg: QKClipConfig) -> QKRole | None:
             "(layer, 'q' | 'k' | 'qkv') or None for each parameter name"
         )
     return (layer, kind)
+
+
+def refuse_qk_norm(caller: str, normed: Sequence[str], advice: str) -> None:
+    """Raise if any attention module in ``normed`` (their names) RMS-normalises q and k per head
+    after the projections: that undoes any scaling of the projections' rows, so QK-clip would
+    change nothing (QK-norm bounds the logits itself). ``caller`` prefixes the message,
+    ``advice`` ends it with what to do in the caller's terms."""
+    if normed:
+        more = " ..." if len(normed) > 3 else ""
+        raise ValueError(
+            f"{caller}: QK-clip scales the rows of the query/key projections, but {list(normed[:3])}{more} "
+            "RMS-normalise q and k per head after them (q_norm/k_norm, as Qwen3 does), which undoes that "
+            f"scaling: QK-clip would change nothing. QK-norm bounds the logits itself; {advice}."
+        )

@@ -18,6 +18,7 @@ from torch import nn
 from ...attention_layouts import MLAHeads
 from ...param_groups import canonical_param_name
 from ...qk_clip import QKClipConfig
+from ...qk_clip.config import refuse_qk_norm
 
 #: (query, key) projection child names of separate-projection attention, in the order tried.
 SEPARATE_QK_NAMES = (("q_proj", "k_proj"), ("query", "key"))
@@ -143,14 +144,7 @@ def qk_clip_config_for(model: nn.Module, threshold: float) -> QKClipConfig:
     if bad:
         raise ValueError("qk_clip_config_for: QK-clip cannot be set up for " + "; ".join(bad[:3])
                          + ("; ..." if len(bad) > 3 else ""))
-    normed = [a.fqn for a in layouts if a.qk_norm]
-    if normed:
-        raise ValueError(
-            f"qk_clip_config_for: QK-clip scales the rows of the query/key projections, but {normed[:2]}"
-            f"{' ...' if len(normed) > 2 else ''} RMS-normalise q and k per head after them (q_norm/k_norm, as "
-            "Qwen3 does), which undoes that scaling: QK-clip would change nothing. QK-norm bounds the logits "
-            "itself; train this model without qk_clip."
-        )
+    refuse_qk_norm("qk_clip_config_for", [a.fqn for a in layouts if a.qk_norm], "train this model without qk_clip")
     no_layer = [a.fqn for a in layouts if a.layer is None]
     if no_layer:
         raise ValueError(f"qk_clip_config_for: attention modules {no_layer[:3]} have no integer component in their "

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...qk_clip import QKClipConfig
+from ...qk_clip.config import refuse_qk_norm
 from ...row_blocks import SplitQKV
 from .layouts import AttentionLayout, TorchtitanQKRoles, check_known_fused, single
 
@@ -19,14 +20,8 @@ def qk_clip_config(config: Any, layouts: Sequence[AttentionLayout]) -> QKClipCon
     its attention modules), or None when ``config.qk_clip_threshold`` is None."""
     if config.qk_clip_threshold is None:
         return None
-    normed = [a.fqn for a in layouts if a.qk_norm]
-    if normed:
-        raise ValueError(
-            f"MuonOptimizersContainer: QK-clip scales the rows of the query/key projections, but {normed[:3]}"
-            f"{' ...' if len(normed) > 3 else ''} RMS-normalise q and k per head after them (q_norm/k_norm, "
-            "as qwen3 does), which undoes that scaling: QK-clip would change nothing. QK-norm bounds the "
-            "logits itself; leave qk_clip_threshold unset for this model."
-        )
+    refuse_qk_norm("MuonOptimizersContainer", [a.fqn for a in layouts if a.qk_norm],
+                   "leave qk_clip_threshold unset for this model")
     kinds = {a.kind for a in layouts}
     patterns = dict(q_patterns=config.qk_clip_q_patterns, k_patterns=config.qk_clip_k_patterns)
     if "mla" in kinds:
