@@ -63,6 +63,29 @@ def max_logit_atol(q: torch.Tensor, k: torch.Tensor, scale: float, dtype: torch.
     return float(sizes.max()) * (gamma(d + 2, dtype) + gamma(d + 2, torch.float64))
 
 
+def normuon_rtol(rows: int, columns: int, dtype: torch.dtype, beta2: float) -> tuple[float, float]:
+    """Relative tolerances ``(rtol of O-hat, rtol of v)`` between two NorMuon normalisations
+    (``rule.normuon_normalize``) of the same ``rows x columns`` matrix in ``dtype`` whose sums run
+    in any order (the whole matrix's against a cut one's: partial row sums all-reduced, the norms
+    from the row sums).  Each quantity is a product or quotient of sums of positive terms, so its
+    relative error is bounded entry by entry (no absolute part).  First order, each side against
+    exact arithmetic, with ``g = gamma(rows * columns + 2)`` covering every sum (a row's squares,
+    the sum over rows, the all-reduce):
+      row mean of squares             g + u
+      v = lerp(v, mean, w), w <= 1/2   g + 7u  (both terms positive; the rounding of (mean - v)
+                                               and of w (mean - v) count at most w/(1-w) <= 1 of v)
+      denom = sqrt(v) + eps            (g + 7u)/2 + 2u
+      O-hat = O / denom                denom's + u
+      the Frobenius rescale            two norms (g and 2 O-hat's + g over two square roots,
+                                       or the cut form's sums of row sums) and a quotient
+    which totals at most ``2g + 18u`` for O-hat and ``g + 7u`` for v per side; two sides differ
+    by at most twice that."""
+    if not 0 < 1 - beta2 <= 0.5:
+        raise ValueError(f"normuon_rtol: the bound assumes the lerp weight 1 - beta2 in (0, 1/2]; got {1 - beta2}")
+    u, g = unit_roundoff(dtype), gamma(rows * columns + 2, dtype)
+    return 2 * (2 * g + 18 * u), 2 * (g + 7 * u)
+
+
 def _extremes(coefficients: Sequence[float], lo: float, hi: float) -> tuple[float, float]:
     """``(min P, max P)`` on ``[lo, hi]`` for ``P(t) = sum coefficients[i] t^i``: at an end or at a
     real root of ``P'`` (the eigenvalues of its companion matrix, in float64; a root off by ``d``
