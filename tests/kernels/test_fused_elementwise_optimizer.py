@@ -18,7 +18,7 @@ so the two runs differ only in the elementwise stages: momentum, Nesterov input,
   the CPU (test_elementwise_kernel.py).
 * One parallel layout (FSDP+TP with ``_StridedShard``, forked gloo ranks, NorMuon, cautious decay,
   maximize, bf16 momentum): parallel Muon on the fused stages equals single-device Muon on the
-  torch formulas to the tolerance of test_parallel_muon.py.
+  fused stages to the tolerance of test_parallel_muon.py (the layout is all that differs).
 """
 
 from __future__ import annotations
@@ -273,10 +273,15 @@ def _run(rank, world_size):
     return run_distributed(rank, world_size, (2, 2), SPECS, STEPS, True, muon_group=_group("triton")), dict(LAUNCHES)
 
 
-def test_parallel_fused_stages_equal_single_device_torch(products_on_torch):
+def test_parallel_fused_stages_equal_single_device_fused_stages(products_on_torch):
+    """The fused stages on DTensor local pieces (regions of ``_StridedShard`` and ``Shard`` pieces,
+    NorMuon's rows) against the same stages on whole tensors on one device: what the layout
+    changes, to test_parallel_muon.py's tolerance for it. Against the torch formulas, the fused
+    stages are held step by step above (through fp32 Newton–Schulz for several steps, a
+    last-bit difference in an input has no derivable bound)."""
     results = run_ranks(_run, 4, timeout=300)
-    want = run_reference(SPECS, STEPS, True, muon_group=_group("torch"))
-    assert products_on_torch == {"momentum_nesterov": 0, "apply_update": 0}  # the reference: torch formulas
+    want = run_reference(SPECS, STEPS, True, muon_group=_group("triton"))
+    assert products_on_torch["momentum_nesterov"] > 0 and products_on_torch["apply_update"] > 0  # the reference ran them
     for rank_result, launches in results:
         assert launches["momentum_nesterov"] > 0 and launches["apply_update"] > 0, launches  # the ranks ran them
         for name, ref in want.items():
