@@ -9,14 +9,17 @@ References, none of them the code under test's order:
   regions the runtime asks for (whole pieces, expert ranges, cut units' row or column blocks,
   boxes, repeats, overlaps, empty ones, some never asked for) and for random sequences, every
   element is updated exactly once, a fused region has none of it updated before, a region read
-  without an update has all of it updated before;
+  without an update has all of it updated before; and one step's stages over such sequences
+  against the two-pass order, bit for bit;
 * **the old two-pass order** (:func:`old_order`: the momentum kernel over every fused piece
   first, exactly the call ``update.matrix_steps`` made before, then every input formed from the
   updated buffer): the new order gives the same weights, momentum and NorMuon state **bit for
   bit**, on single-device odd shapes (2-D, tall, 3-D experts, transposed, row blocks, bf16
   weights, bf16 momentum, maximize, nesterov off, NorMuon, cautious decay) and on forked gloo
   ranks (FSDP, FSDP+TP with ``_StridedShard``, HSDP with the replica split, experts, ns_split,
-  the gather baseline, moved experts), each rank comparing its own pieces;
+  ns_split of expert ranges with NorMuon, the gather baseline, moved experts), each rank comparing
+  its own pieces. Newton–Schulz's products run on torch in both orders (:func:`products_on_torch`):
+  the order of the elementwise stages is what differs;
 * **exactly once, counted**: a step with a zero gradient and momentum 0.5 halves every buffer
   entry exactly (``lerp(b, 0, 0.5) = 0.5 b`` in one FMA, exact in fp32 and bf16): an entry updated
   twice is quartered, one missed is unchanged; checked on every rank's pieces of every parameter;
@@ -375,7 +378,8 @@ def test_the_torch_formulas_keep_their_order():
 Q, K = (16, 12), (8, 12)
 CASES = {
     "fsdp": ((2,), [("layers.0.attention.wq.weight", Q, ["S0"]), ("w1", (10, 13), ["S0"]),
-                    ("w2", (13, 10), ["S1"]), ("norm", (12,), ["S0"])], {}),
+                    ("w2", (13, 10), ["S1"]), ("w3", (1, 12), ["S0"]),  # rank 1 holds none of w3
+                    ("norm", (12,), ["S0"])], {}),
     "fsdp_tp": ((2, 2), [("layers.0.attention.wq.weight", Q, ["SS0/2", "S0"]), ("w1", (9, 6), ["SS0/2", "S0"]),
                          ("w2", (6, 9), ["S0", "S1"])],
                 {"muon_group": {"normuon_beta2": 0.9, "momentum_dtype": torch.bfloat16, "maximize": True}}),
