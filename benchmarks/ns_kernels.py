@@ -22,8 +22,9 @@ the kernels are faster.
 
 Then the elementwise stages around Newton–Schulz (``kernels/elementwise.py``) on each shape as an
 fp32 weight with fp32 momentum and gradient and a bf16 update/input: torch's formulas
-(``rule.momentum_``, ``rule.nesterov_input_``, ``rule.apply_update_``, plain and cautious) against
-the fused kernels, each stage's median time, the bytes it moves by the model of docs/kernels.md
+(``rule.momentum_``, ``rule.nesterov_input_``, each alone and together as a step runs them,
+``rule.apply_update_``, plain and cautious) against the fused kernels (the momentum and the input
+together: one pass), each stage's median time, the bytes it moves by the model of docs/kernels.md
 (per entry) and the bandwidth that implies. Results: ``bench_results/ns_kernels_<tag>.{json,md}``.
 """
 
@@ -141,6 +142,8 @@ def main(argv=None) -> dict:
 ELEMENTWISE_BYTES = {
     "momentum": {"torch": 12, "fused": 12},            # lerp_(buf, g): read g, buf; write buf
     "nesterov input": {"torch": 10, "fused": 10},      # lerp(g, buf, out=bf16): read g, buf; write x
+    # what a step runs (MatrixStep.input_into): the two above | one pass, read g, buf; write buf, x
+    "momentum + nesterov input": {"torch": 22, "fused": 14},
     "decay + update": {"torch": 18, "fused": 10},      # mul_ (8), add_ (10) | read p, u; write p
     "cautious decay + update": {"torch": 44, "fused": 10},  # mask (10), ge_ (8), addcmul_ (16), add_ (10)
 }
@@ -164,6 +167,9 @@ def _elementwise_stages(shape, device, timed) -> dict:
         "nesterov input": (lambda: rule.nesterov_input_(x, g, buf, 0.95, True),
                            lambda: elementwise.momentum_nesterov_(buf, g, x, 0.95, True, update_momentum=False,
                                                                   backend="triton")),
+        "momentum + nesterov input": (
+            lambda: (rule.momentum_([buf], [g], 0.95), rule.nesterov_input_(x, g, buf, 0.95, True)),
+            lambda: elementwise.momentum_nesterov_(buf, g, x, 0.95, True, backend="triton")),
         "decay + update": (lambda: rule.apply_update_(p, u, lr, alr, wd),
                            lambda: elementwise.apply_update_(p, u, lr, alr, wd, backend="triton")),
         "cautious decay + update": (lambda: rule.apply_update_(p, u, lr, alr, wd, True),

@@ -32,8 +32,11 @@ def test_tiny_run(tmp_path):
     assert "| 37x53 | X X^T |" in (tmp_path / "ns_kernels_smoke.md").read_text()
     # the elementwise stages: torch's and the fused kernels', each timed, bytes by the model
     stages = row["elementwise"]
-    assert set(stages) == {"momentum", "nesterov input", "decay + update", "cautious decay + update"}
+    assert set(stages) == {"momentum", "nesterov input", "momentum + nesterov input", "decay + update",
+                           "cautious decay + update"}
     for e in stages.values():
         assert e["torch"]["ms"] > 0 and e["fused"]["ms"] > 0 and e["ratio"] > 0
         assert e["fused"]["bytes"] <= e["torch"]["bytes"] and e["fused"]["bytes"] % (37 * 53) == 0
     assert "| 37x53 | decay + update | 18," in (tmp_path / "ns_kernels_smoke.md").read_text()
+    assert "| 37x53 | momentum + nesterov input | 22," in (tmp_path / "ns_kernels_smoke.md").read_text()
+    assert stages["momentum + nesterov input"]["fused"]["bytes"] == 14 * 37 * 53

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from .kernels import elementwise
+from .momentum_progress import MomentumProgress
 from .newton_schulz import default_compute_dtype, ns_io_dtype, zeropower_via_newtonschulz
 from .parallel.split_newton_schulz import (row_sums_of_squares, split_zeropower_via_newtonschulz, squares_per_row,
                                            sum_over_group)
@@ -392,9 +393,10 @@ class OwnerStage:
 class MatrixStep:
     """One Muon parameter's local tensors and this step's hyper-parameters: the stages the
     runtime calls (see the module docstring).  ``grad`` is the gradient as the momentum saw it
-    (:func:`momentum_`'s return, in the arithmetic dtype), ``buf`` the momentum already updated
-    this step (in its storage dtype), ``row_state`` NorMuon's ``v`` for the local rows
-    (``[..., local rows, 1]``; None without NorMuon)."""
+    (:func:`momentum_`'s return, in the arithmetic dtype), ``buf`` the momentum (in its storage
+    dtype) already updated this step, or, fused, updated as the input is formed (``pending``),
+    ``row_state`` NorMuon's ``v`` for the local rows (``[..., local rows, 1]``; None without
+    NorMuon)."""
 
     param: Tensor  # local piece, updated in place
     grad: Tensor
@@ -410,10 +412,13 @@ class MatrixStep:
     cautious: bool = False  # cautious weight decay
     # The elementwise stages on the fused Triton kernels (kernels/elementwise.py; ``ns_kernels``
     # resolved to Triton for this piece, :func:`fused_elementwise`): then ``grad`` is the gradient
-    # as stored (not negated, not converted), ``maximize`` says its sign, and ``buf`` was updated
-    # by the momentum kernel.  False: the torch formulas above, unchanged.
+    # as stored (not negated, not converted), ``maximize`` says its sign, and ``buf`` is updated
+    # by the kernels: in the pass that forms each region's input (``pending`` says which parts
+    # are not yet), the rest by :meth:`finish_momentum` after the pipeline.  False: the torch
+    # formulas above, unchanged (``buf`` updated before the step is built).
     fused: bool = False
     maximize: bool = False
+    pending: MomentumProgress | None = None  # fused: this step's momentum not yet applied everywhere
 
     @property
     def input_dtype(self) -> torch.dtype:
@@ -467,12 +472,34 @@ class MatrixStep:
         return self.orthogonalize.split(x, widths, group, rows, transpose)
 
     def input_into(self, out: Tensor, region: tuple = ()) -> None:
-        if self.fused:  # one pass: reads grad and buf, writes out
+        """``out`` <- the region's Newton–Schulz input (:func:`nesterov_input_`).  Fused, the
+        region's momentum is updated in the same pass where none of it is yet (reads grad and
+        buf, writes buf and out), after a momentum-only pass over whatever else must be brought
+        up to date first (``momentum_progress.py``): every entry of buf is updated exactly once,
+        and every input is formed from buf as this step stores it."""
+        if self.fused:
+            catch_up, fuse = self.pending.claim(region) if self.pending is not None else ([], False)
+            for part in catch_up:
+                self._momentum_only(part)
             elementwise.momentum_nesterov_(_region(self.buf, region), _region(self.grad, region), out, self.momentum,
-                                           self.nesterov, self.maximize, update_momentum=False,
+                                           self.nesterov, self.maximize, update_momentum=fuse,
                                            dtype=self.input_dtype, backend="triton")
             return
         nesterov_input_(out, _region(self.grad, region), _region(self.buf, region), self.momentum, self.nesterov)
+
+    def finish_momentum(self) -> None:
+        """The momentum of every part of the piece whose input this rank never formed this step
+        (a unit owned in another replica, nothing to send), one momentum-only pass each; a no-op
+        on the torch formulas (their momentum ran before the step was built) and once done."""
+        if self.pending is not None:
+            for part in self.pending.finish():
+                self._momentum_only(part)
+
+    def _momentum_only(self, region: tuple) -> None:
+        buf = _region(self.buf, region)
+        if buf.numel():
+            elementwise.momentum_nesterov_(buf, _region(self.grad, region), None, self.momentum, self.nesterov,
+                                           self.maximize, dtype=self.input_dtype, backend="triton")
 
     def row_state_into(self, out: Tensor, region: tuple = ()) -> None:
         """``out`` ``[..., rows, k]`` <- the piece's rows of v, as ``out``'s dtype carries them."""

@@ -1,6 +1,8 @@
 """The Muon half of a step: each Muon parameter's :class:`~optimizer.rule.MatrixStep`, built from
-its group and its state, the momentum on every local piece, then the cached plan through the
-runtime (``parallel/runtime.py``), which calls the rule's stages on every piece."""
+its group and its state, the momentum on every local piece (where the elementwise stages are
+fused: in the pass that forms each piece's input), then the cached plan through the runtime
+(``parallel/runtime.py``), which calls the rule's stages on every piece, then the momentum of
+whatever piece the runtime did not form."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import MutableMapping
 import torch
 
 from .matrix_view import local_matrix, row_state_layout
-from .kernels import elementwise
+from .momentum_progress import MomentumProgress
 from .parallel.runtime import gather_everything, run_parallel_muon
 from .parallel.stats import PipelineStats
 from .qk_clip.step import ClipStep
@@ -34,6 +36,8 @@ def muon_update(context: StepContext, state: MutableMapping, settings: MuonSetti
         gather_everything(context.plan, steps, stats)
     else:
         run_parallel_muon(context.plan, steps, lookahead=settings.lookahead, stats=stats)
+    for step in steps:  # fused: pieces (or parts) this rank never formed, e.g. owned in another replica
+        step.finish_momentum()
     return stats
 
 
@@ -93,9 +97,11 @@ def row_states(params: list[torch.Tensor], groups, transposed: list[bool],
 
 def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSettings,
                  clip: ClipStep | None) -> list[MatrixStep]:
-    """The momentum on every local piece (one foreach call per momentum and sign; one kernel per
-    piece where the elementwise stages are fused, ``rule.fused_elementwise``), then each
-    parameter's stages with this step's hyper-parameters."""
+    """The momentum on every local piece (one foreach call per momentum and sign), then each
+    parameter's stages with this step's hyper-parameters.  Where the elementwise stages are fused
+    (``rule.fused_elementwise``) the momentum is not run here: the step carries it as pending
+    (``momentum_progress.py``), ``MatrixStep.input_into`` updates it in the pass that forms the
+    input, and ``MatrixStep.finish_momentum`` where the runtime forms none."""
     params, groups = context.muon_params, context.muon_groups
     views = [e.transposed for e in context.muon]  # [in, out] weights read as [out, in] (matrix_view.py)
     bufs = [local_matrix(b, t) for b, t in zip(momentum_buffers(params, groups, state), views)]
@@ -107,9 +113,7 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
              for p, g, b, grad in zip(params, groups, bufs, grads)]
     by_momentum: dict[tuple[float, bool], list[int]] = {}
     for i, group in enumerate(groups):
-        if fused[i]:  # the momentum kernel: one pass, the gradient read as stored (its sign a flag)
-            elementwise.momentum_nesterov_(bufs[i], grads[i], None, group["momentum"], group["nesterov"],
-                                           bool(group.get("maximize", False)), dtype=work[i], backend="triton")
+        if fused[i]:  # with the input, in one pass (the gradient read as stored, its sign a flag)
             continue
         by_momentum.setdefault((group["momentum"], bool(group.get("maximize", False))), []).append(i)
     for (momentum, maximize), idx in by_momentum.items():
@@ -132,6 +136,7 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
             weight_decay=group["weight_decay"], orthogonalize=stage, clip=context.clip_rows(i, clip),
             row_state=rows[i], cautious=bool(group.get("cautious_wd", False)),
             fused=fused[i], maximize=bool(group.get("maximize", False)),
+            pending=MomentumProgress(bufs[i].shape) if fused[i] else None,
         ))
     return steps
 
