@@ -71,19 +71,22 @@ def normuon_rtol(rows: int, columns: int, dtype: torch.dtype, beta2: float) -> t
     relative error is bounded entry by entry (no absolute part).  First order, each side against
     exact arithmetic, with ``g = gamma(rows * columns + 2)`` covering every sum (a row's squares,
     the sum over rows, the all-reduce):
-      row mean of squares             g + u
-      v = lerp(v, mean, w), w <= 1/2   g + 7u  (both terms positive; the rounding of (mean - v)
-                                               and of w (mean - v) count at most w/(1-w) <= 1 of v)
-      denom = sqrt(v) + eps            (g + 7u)/2 + 2u
-      O-hat = O / denom                denom's + u
-      the Frobenius rescale            two norms (g and 2 O-hat's + g over two square roots,
-                                       or the cut form's sums of row sums) and a quotient
-    which totals at most ``2g + 18u`` for O-hat and ``g + 7u`` for v per side; two sides differ
+      row sum of squares s_i          g + 3u   (a norm, then squared: the square root's rounding
+                                               doubled, and the square's)
+      v = lerp(v, s_i / C, w), w <= 1/2  g + 10u  (the mean's rounding; both terms positive, the
+                                               roundings of (mean - v) and of w (mean - v) count at
+                                               most w/(1-w) <= 1 of v)
+      d_i = sqrt(v) + eps             (g + 10u)/2 + 2u
+      ||O||^2 = sum s_i               g + 3u
+      ||Ô||^2 = sum s_i / d_i^2        2g + 19u
+      scale = sqrt of their quotient  1.5g + 14u
+      O-hat = O * (scale / d_i)       2g + 23u (or, the cut form, O / d_i * scale: 2g + 23u)
+    which totals at most ``2g + 24u`` for O-hat and ``g + 10u`` for v per side; two sides differ
     by at most twice that."""
     if not 0 < 1 - beta2 <= 0.5:
         raise ValueError(f"normuon_rtol: the bound assumes the lerp weight 1 - beta2 in (0, 1/2]; got {1 - beta2}")
     u, g = unit_roundoff(dtype), gamma(rows * columns + 2, dtype)
-    return 2 * (2 * g + 18 * u), 2 * (g + 7 * u)
+    return 2 * (2 * g + 24 * u), 2 * (g + 10 * u)
 
 
 def _extremes(coefficients: Sequence[float], lo: float, hi: float) -> tuple[float, float]:

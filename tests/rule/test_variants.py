@@ -278,12 +278,13 @@ def test_newton_schulz_sees_the_compute_dtype_not_the_buffer_dtype(monkeypatch, 
 # ---------------------------------------------------------------- broken on purpose
 
 
-def _wrong_mean_dim(o, v, beta2):
+def _wrong_mean_dim(o, v, beta2, out_dtype=None):
     o = o.to(v.dtype)
     norm = torch.linalg.vector_norm(o, dim=(-2, -1), keepdim=True)
     v = torch.lerp(v, (o * o).mean(dim=-2, keepdim=True).mean(dim=-1, keepdim=True).expand_as(v), 1 - beta2)
     hat = o / (v.sqrt() + 1e-8)
-    return hat * (norm / torch.linalg.vector_norm(hat, dim=(-2, -1), keepdim=True).clamp_min(1e-8)), v
+    hat = hat * (norm / torch.linalg.vector_norm(hat, dim=(-2, -1), keepdim=True).clamp_min(1e-8))
+    return hat.to(out_dtype or hat.dtype), v
 
 
 def _factor_first(matrix, blocks, orthogonalize, adjust_lr_mode, v, beta2):
