@@ -531,3 +531,14 @@ def test_bad_arguments_are_named(bench, argv, message, capsys, tmp_path):
         bench.main([*argv, "--out", str(tmp_path)])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "scale_model.json").exists()
+
+
+def test_llama3_8b_at_1024_ranks_reaches_its_whole_or_cut_bound(bench, models):
+    """Issue 29: the bound split_bound.py gives for Llama-3-8B at 1,024 FSDP ranks is every
+    14336 x 4096 cut over 8 ranks alone (96 units x 8 = 768 ranks) and q/o over 4: the planner
+    reaches it (it stopped at 4 for the big ones, 3.81x, where 8 is slower paired but faster alone)."""
+    args = SimpleNamespace(ns_steps=5, wire_dtype="bf16", chunk_size=None, lookahead=1, state_bytes=4,
+                           compute_bytes=2, replica_flops_per_byte=AUTO)
+    auto = bench.evaluate(models["llama3-8b"], bench.Layout(1, 1024, None), None, args, "auto")
+    assert auto["busiest_over_ideal"] == pytest.approx(auto["cut_lower_bound_over_ideal"], rel=1e-6)
+    assert auto["cut_units"]["8"] == 96

@@ -357,3 +357,4 @@ def test_no_process_group_is_made_in_a_step_with_moves():
     results = run_ranks(_groups_made_in_steps, 4, timeout=120)
     assert all(calls == [] for calls, _ in results)
     assert sum(n for _, n in results) > 0
+

@@ -320,12 +320,24 @@ class UnitOptions:
     alone: Callable[[int], float] | None = None  # member cost at k with no partner (member_cost assumes one)
 
     def next_k(self, k: int) -> int | None:
-        """The next allowed k above k whose member cost is lower than at k."""
-        here = self.cost if k == 1 else self.member_cost(k)
+        """The next allowed k above k that is faster than k run the same way: paired (two units
+        as one call, ``member_cost``) or alone (``alone``).
+
+        Each way against itself: whether a unit runs paired or alone is decided by the assignment
+        (:func:`assign_paired`: alone where its groups outnumber the units), and a k that is
+        slower paired than k paired may still be faster alone than k alone (Llama-3-8B's
+        14336 x 4096 at 1,024 ranks: 4 -> 8 alone, 3.81x -> 3.30x the ideal share)."""
         for c in self.ks:
-            if c > k and self.member_cost(c) < here:
+            if c > k and self.faster(c, k):
                 return c
         return None
+
+    def faster(self, c: int, k: int) -> bool:
+        """Whether k = c is modelled faster than k, paired against paired or alone against alone
+        (k = 1: the whole cost)."""
+        paired = self.member_cost(c) < (self.cost if k == 1 else self.member_cost(k))
+        alone = self.alone is not None and self.alone(c) < (self.cost if k == 1 else self.alone(k))
+        return paired or alone
 
     def at(self, k: int) -> float:
         return self.cost if k == 1 else self.member_cost(k)
@@ -420,12 +432,13 @@ def choose_ks(units: Sequence[UnitOptions], world: int,
 
 
 def _later_ks(unit: UnitOptions, k: int) -> list[int]:
-    """The allowed k above ``k`` (the next one excepted), each modelled faster than the one before."""
-    out, here = [], unit.member_cost(k)
+    """The allowed k above ``k`` (the next one excepted), each modelled faster than the one before
+    (paired or alone: :meth:`UnitOptions.faster`)."""
+    out, here = [], k
     for c in unit.ks:
-        if c > k and unit.member_cost(c) < here:
+        if c > k and unit.faster(c, here):
             out.append(c)
-            here = unit.member_cost(c)
+            here = c
     return out
 
 
