@@ -36,7 +36,7 @@ def to_dtensor(global_tensor: torch.Tensor, mesh, placements) -> DTensor:
 
     (distribute_tensor refuses uneven _StridedShard splits in torch 2.13, and
     redistribute matches FSDP2's layout; see optimizer/distributed/placements.py.)
-    Where this torch release refuses to redistribute the placements (2.11: a _StridedShard
+    Where this torch release refuses to redistribute the placements (2.10, 2.11: a _StridedShard
     that encodes no shard order), the local blocks are cut by strided_layouts.cut_local.
     """
     return make_dtensor(global_tensor, mesh, placements)

@@ -1,12 +1,15 @@
 """DTensors with the placements a test asks for, on every torch release of the supported range.
 
 Tests build their DTensors as training does, with DTensor's own ``redistribute`` from a replicated
-tensor: DTensor is then the reference for which rank holds what.  torch 2.11 refuses to
-redistribute (or ``full_tensor()``) a ``_StridedShard`` whose split factor encodes no shard order
-(``DTensorSpec._normalize_placements_into_shard_order``: "unable to be interpreted into a
-corresponding shard_order"); 2.8, 2.13 and 2.15 build and reconstruct them.  For exactly those
-placements on such a release, this module cuts each rank's local block itself and wraps it with
-``DTensor.from_local``, and reads a DTensor back with an all-gather placed by the same cut.
+tensor: DTensor is then the reference for which rank holds what.  torch 2.10 and 2.11 refuse to
+redistribute (or ``full_tensor()``) a ``_StridedShard`` whose split factor encodes no shard order:
+2.11 with a ``ValueError`` (``DTensorSpec._normalize_placements_into_shard_order``: "unable to be
+interpreted into a corresponding shard_order"), 2.10 by failing its own assertion in redistribute's
+planner (``_gen_transform_infos_non_cached``: ``assert src_shard_order is not None and
+dst_shard_order is not None``, a bare ``AssertionError``); 2.8, 2.13 and 2.15 build and reconstruct
+them.  For exactly those placements on such a release, this module cuts each rank's local block
+itself and wraps it with ``DTensor.from_local``, and reads a DTensor back with an all-gather placed
+by the same cut.
 
 The cut is written here from the placement semantics, on real tensors (``torch.chunk``), not with
 the optimizer's index math (``optimizer/distributed/placements.py``): placements apply left to
@@ -20,6 +23,7 @@ concatenated.  ``tests/distributed/test_strided_layouts.py`` checks it against D
 from __future__ import annotations
 
 import math
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -56,10 +60,24 @@ def _strided(placements) -> bool:
     return any(isinstance(p, _StridedShard) for p in placements)
 
 
-def _refused(err: ValueError, placements) -> bool:
+#: what a release raises when it refuses a _StridedShard that encodes no shard order (2.11+:
+#: ValueError; 2.10: AssertionError); :func:`_refused` then checks that the error is that refusal
+REFUSALS = (ValueError, AssertionError)
+
+
+def _refused(err: Exception, placements) -> bool:
     """DTensor of this release refuses these placements: a _StridedShard it cannot read as a shard
-    order (the only refusal these helpers step around; anything else is re-raised)."""
-    return _strided(placements) and "shard_order" in str(err).replace(" ", "_")
+    order (the only refusal these helpers step around; anything else is re-raised).  2.11's
+    ValueError says so; 2.10's bare AssertionError has no message, so the failing source line (its
+    assertion that both specs have a shard order) is what identifies it."""
+    if not _strided(placements):
+        return False
+    if isinstance(err, ValueError):
+        return "shard_order" in str(err).replace(" ", "_")
+    if isinstance(err, AssertionError):
+        frames = traceback.extract_tb(err.__traceback__)
+        return bool(frames) and "shard_order is not None" in (frames[-1].line or "")
+    return False
 
 
 def make_dtensor(full: torch.Tensor, mesh, placements) -> DTensor:
@@ -69,7 +87,7 @@ def make_dtensor(full: torch.Tensor, mesh, placements) -> DTensor:
     replicated = distribute_tensor(full, mesh, [Replicate()] * mesh.ndim)
     try:
         return replicated.redistribute(mesh, placements)
-    except ValueError as err:
+    except REFUSALS as err:
         if not _refused(err, placements):
             raise
     local = cut_local(full, tuple(mesh.shape), placements, mesh.get_coordinate())
@@ -82,7 +100,7 @@ def full_of(dt: DTensor) -> torch.Tensor:
     :func:`cut_local` (cut from a tensor of global positions)."""
     try:
         return dt.full_tensor()
-    except ValueError as err:
+    except REFUSALS as err:
         if not _refused(err, dt.placements):
             raise
     mesh, shape = dt.device_mesh, tuple(dt.shape)

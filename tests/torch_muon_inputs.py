@@ -48,6 +48,7 @@ _ERRORS_2_9 = (
     "does not support complex parameters",
 )
 RECORDED = {
+    "2.10": {"inputs": _INPUTS_2_9, "error_inputs": _ERRORS_2_9},
     "2.11": {"inputs": _INPUTS_2_9, "error_inputs": _ERRORS_2_9},
     "2.13": {"inputs": _INPUTS_2_9, "error_inputs": _ERRORS_2_9},
     "2.15": {

@@ -233,7 +233,7 @@ def _own_dim_stacks(rank, world_size, cases):
     out = []
     for shape, placements in cases:
         full = torch.arange(float(math.prod(shape))).reshape(shape)
-        # redistribute's blocks; where this release refuses the placements (2.11), the blocks
+        # redistribute's blocks; where this release refuses the placements (2.10, 2.11), the blocks
         # strided_layouts cuts (checked against redistribute's in test_strided_layouts.py)
         dt = make_dtensor(full, mesh, placements)
         idx = local_indices(shape, (2, 2), placements, mesh.get_coordinate())
@@ -244,7 +244,7 @@ def _own_dim_stacks(rank, world_size, cases):
 def test_strided_shards_that_encode_no_shard_order_match_redistribute():
     # Split factors that match no shard order: each _StridedShard acts on its own
     # mesh dim.  torch 2.13's full_tensor() cannot rebuild these stacks, but the
-    # blocks redistribute hands out are the ones we compute (torch 2.11 refuses them).
+    # blocks redistribute hands out are the ones we compute (torch 2.10 and 2.11 refuse them).
     cases = [
         ((9, 3), (SS(0, 2), SS(0, 2))),
         ((8, 4), (SS(0, 3), SS(0, 2))),

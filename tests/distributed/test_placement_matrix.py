@@ -154,7 +154,7 @@ def _check_cases(rank, world_size, mesh_shape, cases):
     failures = []
     for shape, placements in cases:
         full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
-        # DTensor's redistribute; for placements this release refuses (2.11: a _StridedShard that
+        # DTensor's redistribute; for placements this release refuses (2.10, 2.11: a _StridedShard that
         # encodes no shard order) the blocks strided_layouts cuts, read back by its gather
         dt = make_dtensor(full, mesh, placements)
         local = dt.to_local()

@@ -138,7 +138,7 @@ def _permuted_mesh_round_trip(rank, world_size):
     ]
     for shape, placements in cases:
         full = torch.arange(float(math.prod(shape))).reshape(shape)
-        dt = make_dtensor(full, mesh, placements)  # redistribute, or (2.11 refuses SS(0, 3)) cut
+        dt = make_dtensor(full, mesh, placements)  # redistribute, or (2.10, 2.11 refuse SS(0, 3)) cut
         sg = construct_shard_mesh(dt.placements, mesh)
         if not torch.equal(_gather_rebuild(dt, sg, shape), full):
             problems.append(f"gather rebuild failed for {shape} {placements}")

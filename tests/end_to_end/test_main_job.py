@@ -211,7 +211,7 @@ def _forward_warnings(rank, world_size, config_path, with_targets):
 
 
 # FSDP2 warns about a root module returning a view from torch 2.13 on (torch/distributed/fsdp/
-# _fully_shard/_fsdp_state.py; 2.8, 2.11 and 2.12 have no such check, 2.13 and 2.15 have it).
+# _fully_shard/_fsdp_state.py; 2.8, 2.10, 2.11 and 2.12 have no such check, 2.13 and 2.15 have it).
 FSDP2_WARNS_ON_VIEWS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
