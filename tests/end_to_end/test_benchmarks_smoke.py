@@ -9,7 +9,6 @@ and the symmetric prototype computes the same thing as the package.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 
@@ -17,27 +16,16 @@ import pytest
 import torch
 
 from harness import run_ranks
-from repo import BENCHMARKS
+from repo import BENCHMARKS, load_benchmark
 
 _BENCH = BENCHMARKS
-
-
-def _load(name: str):
-    """Import benchmarks/<name>.py (a script directory, not a package)."""
-    key = f"bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, _BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module  # dataclasses look their module up while the file runs
-        spec.loader.exec_module(module)
-    return sys.modules[key]
 
 
 TINY = ["--dim", "32", "--ffn-dim", "64", "--layers", "1", "--head-dim", "8", "--warmup", "1", "--steps", "2"]
 
 
 def _step_time_rank(rank, world_size, argv):
-    step_time = _load("step_time")
+    step_time = load_benchmark("step_time")
     result = step_time.run(step_time.parse_args(argv), rank, world_size, torch.device("cpu"))
     return None if result is None else json.dumps(result)
 
@@ -47,7 +35,7 @@ def _numel(specs) -> int:
 
 
 def test_step_time_fsdp_two_ranks(tmp_path):
-    step_time = _load("step_time")
+    step_time = load_benchmark("step_time")
     run_ranks(_step_time_rank, 2, [*TINY, "--out", str(tmp_path), "--tag", "smoke"], timeout=60)
     result = json.loads((tmp_path / "step_time_smoke.json").read_text())
     md = (tmp_path / "step_time_smoke.md").read_text()
@@ -162,7 +150,7 @@ def test_placements_follow_fully_shard_over_tp():
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    step_time = _load("step_time")
+    step_time = load_benchmark("step_time")
     names, shape = ("dp_shard", "tp"), (2, 4)
     assert step_time.placements_for("col", names, shape, "fsdp_tp") == (_StridedShard(0, split_factor=4), Shard(0))
     assert step_time.placements_for("row", names, shape, "fsdp_tp") == (Shard(0), Shard(1))
@@ -171,7 +159,7 @@ def test_placements_follow_fully_shard_over_tp():
 
 
 def test_bad_mesh_config_names_the_key(tmp_path):
-    step_time = _load("step_time")
+    step_time = load_benchmark("step_time")
     config = tmp_path / "bad.toml"
     config.write_text("[mesh]\ndp_shrad = 2\n")
     with pytest.raises(ValueError, match="dp_shrad"):
@@ -198,7 +186,7 @@ def test_torch_muon_stand_in_is_torchs_own_in_bf16():
 def test_ns_efficiency_runs_and_symmetric_prototype_matches(tmp_path):
     from optimizer.newton_schulz import choose_ns_method, newton_schulz_flops
 
-    ns = _load("ns_efficiency")
+    ns = load_benchmark("ns_efficiency")
     result = ns.main(["--shapes", "48x32,2x16x24,48x512", "--repeats", "1", "--sym-min-block", "4",
                       "--out", str(tmp_path), "--tag", "smoke"])
     saved = json.loads((tmp_path / "ns_efficiency_smoke.json").read_text())
@@ -223,7 +211,7 @@ def test_ns_efficiency_runs_and_symmetric_prototype_matches(tmp_path):
 
 
 def test_ns_efficiency_judges_targets_from_minima():
-    ns = _load("ns_efficiency")
+    ns = load_benchmark("ns_efficiency")
 
     def row(shape, auto):
         return dict(shape=list(shape), speedup_of_minima={"auto": auto}, speedup={"auto": auto})
@@ -237,7 +225,7 @@ def test_ns_efficiency_judges_targets_from_minima():
 
 
 def test_symmetric_gram_is_x_xt():
-    ns = _load("ns_efficiency")
+    ns = load_benchmark("ns_efficiency")
     g = torch.Generator().manual_seed(0)
     for shape in ((37, 20), (3, 64, 9)):  # odd split sizes, several recursion levels, a batch
         X = torch.randn(shape, generator=g, dtype=torch.float64)
@@ -250,7 +238,7 @@ def test_ns_restart_study_runs_and_judges_the_band(tmp_path):
     fp32 stays far inside the band, no restart is outside it in 16 bits."""
     from optimizer.newton_schulz import gram_restart_plan
 
-    ns = _load("ns_efficiency")
+    ns = load_benchmark("ns_efficiency")
     result = ns.main(["--restart-study", "--study-shape", "8x24", "--study-seeds", "1", "--out", str(tmp_path),
                       "--tag", "smoke"])
     saved = json.loads((tmp_path / "ns_restarts_smoke.json").read_text())
@@ -276,7 +264,7 @@ def test_gpu_step_runs_on_cpu_tiny(tmp_path):
     path here: the Triton kernels' interpreter runs take minutes, and tests/kernels and
     tests/parallel/test_ns_kernels.py check them), torch.optim.Muon beside it where it takes the
     model's shapes, floors from the launch's own matmul rate, the JSON is what it returned."""
-    gpu_step = _load("gpu_step")
+    gpu_step = load_benchmark("gpu_step")
     out = tmp_path / "gpu_step.json"
     result = gpu_step.main(["--device", "cpu", "--tiny", "--warmup", "1", "--repeats", "1",
                             "--ns-kernels", "torch", "--out", str(out)])

@@ -13,11 +13,9 @@ The model's numbers are checked against references that are not its own code:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -28,9 +26,8 @@ from optimizer.distributed.layout import MeshGrid, ParamLayout
 from optimizer.newton_schulz import newton_schulz_flops
 from optimizer.parallel.plan import MoveChunk, PlanParam, PlanSettings, build_plan, split_workspace, world_jobs
 from optimizer.parallel.split_newton_schulz import SplitHardware
-from repo import BENCHMARKS
+from repo import load_benchmark
 
-_BENCH = BENCHMARKS
 RANKS = [8, 64]
 HSDP = (2, 4)
 HSDP_MODELS = ["llama3-70b", "deepseek-v3"]
@@ -39,20 +36,9 @@ AUTO = 1e4  # the script's default "auto" threshold (the optimizer's CUDA defaul
 NS_SPLITS = ("never", "auto")  # the script's default ns_split rows
 
 
-def _load(name: str):
-    """Import benchmarks/<name>.py (a script directory, not a package)."""
-    key = f"bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, _BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
 @pytest.fixture(scope="module")
 def bench():
-    return _load("scale_model")
+    return load_benchmark("scale_model")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +53,7 @@ def run(bench, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models():
-    return _load("model_shapes").all_models()
+    return load_benchmark("model_shapes").all_models()
 
 
 def _is_moe(model) -> bool:

@@ -12,11 +12,9 @@ or that drops the dual feasible functions, fails there.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 import random
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -28,22 +26,12 @@ from optimizer.newton_schulz import newton_schulz_flops
 from optimizer.parallel.plan_types import PlanParam
 from optimizer.parallel.split_newton_schulz import SplitHardware
 from optimizer.parallel.split_plan import SplitModel
-from repo import BENCHMARKS
-
-
-def _load(name: str):
-    key = f"bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, BENCHMARKS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
+from repo import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sb():
-    return _load("split_bound")
+    return load_benchmark("split_bound")
 
 
 # ----------------------------------------------------------------------------- whole-or-cut units

@@ -4,20 +4,17 @@ rounding, the elementwise stages are reported, and the files parse. The timings 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from repo import BENCHMARKS
+from repo import load_benchmark
 
 pytest.importorskip("triton")
 
 
 def test_tiny_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_ns_kernels", BENCHMARKS / "ns_kernels.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("ns_kernels")
     result = bench.main(["--device", "cpu", "--tiny", "--shapes", "37x53", "--out", str(tmp_path), "--tag", "smoke"])
     assert json.loads((tmp_path / "ns_kernels_smoke.json").read_text()) == json.loads(json.dumps(result))
     (row,) = result["rows"]
