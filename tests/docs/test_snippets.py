@@ -19,6 +19,7 @@ import torch
 
 import doc_files
 from harness import run_ranks
+from torchtitan_support import unsupported_reason
 
 TIMEOUT_S = 180
 
@@ -94,6 +95,8 @@ def test_runnable_block_runs(block, tmp_path):
     mark = doc_files.marker(block)
     for module in mark.requires:
         pytest.importorskip(module, reason=f"{block.id} needs {module}")
+        if module == "torchtitan" and unsupported_reason():
+            pytest.skip(f"{block.id}: {unsupported_reason()}")
     if mark.ranks == 1:
         run_single(block, str(tmp_path))
     else:

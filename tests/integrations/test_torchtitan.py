@@ -14,11 +14,10 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (CI installs it: scripts/install.sh)")
-import torch.distributed.fsdp  # noqa: E402
+from torchtitan_support import unsupported_reason  # noqa: E402
 
-if not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):  # torch < 2.13 (2.11 lacks it)
-    pytest.skip(f"torchtitan 0.3.0 imports torch.distributed.fsdp.DataParallelMeshDims, which torch {torch.__version__} "
-                "lacks: torchtitan does not support this release", allow_module_level=True)
+if unsupported_reason():  # torch 2.10 and 2.11
+    pytest.skip(unsupported_reason(), allow_module_level=True)
 
 import titan_fixture  # noqa: E402  (imported once here so forked ranks do not import torchtitan again)
 from harness import run_ranks  # noqa: E402
