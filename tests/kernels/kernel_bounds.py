@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import torch
 
-U32 = torch.finfo(torch.float32).eps / 2
+from tolerances import gamma, unit_roundoff
 
-
-def unit_roundoff(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).eps / 2
+U32 = unit_roundoff(torch.float32)
 
 
 def lower_mirrored(full: torch.Tensor) -> torch.Tensor:
@@ -42,10 +40,8 @@ def exact_product(L, R, C=None, alpha=1.0, beta=0.0, symmetric=False):
 
 def rounding_bound(exact: torch.Tensor, scale: torch.Tensor, k: int, out_dtype: torch.dtype) -> torch.Tensor:
     """The per-element bound above."""
-    n = k + 3
-    gamma = n * U32 / (1 - n * U32)
     u_out = unit_roundoff(out_dtype)
-    return u_out * exact.abs() + (1 + u_out) * gamma * scale + u_out * torch.finfo(out_dtype).smallest_normal
+    return u_out * exact.abs() + (1 + u_out) * gamma(k + 3, torch.float32) * scale + u_out * torch.finfo(out_dtype).smallest_normal
 
 
 def assert_within_rounding(got, L, R, C=None, alpha=1.0, beta=0.0, symmetric=False, out_dtype=None):
@@ -87,12 +83,6 @@ def assert_within_rounding(got, L, R, C=None, alpha=1.0, beta=0.0, symmetric=Fal
 # ops. The fp64 formula's own rounding (a few u64 per operation) is counted too.
 
 F32, F64 = torch.float32, torch.float64
-
-
-def gamma(n: int, dtype: torch.dtype) -> float:
-    """``n u / (1 - n u)`` in ``dtype``."""
-    nu = n * unit_roundoff(dtype)
-    return nu / (1 - nu)
 
 
 def stored_bound(exact: torch.Tensor, error, dtype: torch.dtype):
