@@ -335,7 +335,7 @@ class UnitOptions:
     def faster(self, c: int, k: int) -> bool:
         """Whether k = c is modelled faster than k, paired against paired or alone against alone
         (k = 1: the whole cost)."""
-        paired = self.member_cost(c) < (self.cost if k == 1 else self.member_cost(k))
+        paired = self.member_cost(c) < self.at(k)
         alone = self.alone is not None and self.alone(c) < (self.cost if k == 1 else self.alone(k))
         return paired or alone
 
