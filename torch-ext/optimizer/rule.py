@@ -184,10 +184,8 @@ def normuon_normalize(o: Tensor, v: Tensor, beta2: float,
     # result is a transposed view), and every path (local, owner, gather) must round alike.
     o = o.contiguous()
     sums = torch.linalg.vector_norm(o, dim=-1, dtype=v.dtype).square()  # [..., R]
-    v = torch.lerp(v, (sums / o.shape[-1]).unsqueeze(-1), 1 - beta2)
-    denom = v.sqrt() + NORMUON_EPS  # [..., R, 1]
-    norm2, hat_norm2 = sums.sum(-1), (sums / denom.squeeze(-1).square()).sum(-1)  # ||O||², ||Ô||²
-    scale = norm2.sqrt() / hat_norm2.sqrt().clamp_min(NORMUON_EPS)
+    v, denom, norms2 = _normuon_statistics(sums, v, beta2, o.shape[-1])
+    scale = _normuon_scale(norms2)
     hat = torch.empty(o.shape, dtype=out_dtype or v.dtype, device=o.device)
     torch.mul(o, scale[..., None, None] / denom, out=hat)  # in v's dtype, rounded once into hat's
     return hat, v
@@ -212,14 +210,27 @@ def normuon_normalize_split(o: Tensor, v: Tensor, beta2: float, group, rows_whol
     # every row's sum of squares over the whole matrix's columns: local when the block holds whole
     # rows, else the members' partial sums added up (one all-reduce of r numbers)
     sums = squares_per_row(o) if rows_whole else row_sums_of_squares(o, group, rows_whole=False)[0]
-    v = torch.lerp(v, (sums / columns).unsqueeze(-1), 1 - beta2)
-    denom = v.sqrt() + NORMUON_EPS
-    norms2 = torch.stack([sums.sum(-1), (sums / denom.squeeze(-1).square()).sum(-1)], dim=-1)  # ||O||², ||Ô||²
+    v, denom, norms2 = _normuon_statistics(sums, v, beta2, columns)
     if rows_whole:  # over the members' rows: one all-reduce of two numbers per matrix
         sum_over_group(norms2, group)
     hat = o / denom
-    scale = norms2[..., 0].sqrt() / norms2[..., 1].sqrt().clamp_min(NORMUON_EPS)
-    return hat * scale[..., None, None].to(hat.dtype), v
+    return hat * _normuon_scale(norms2)[..., None, None].to(hat.dtype), v
+
+
+def _normuon_statistics(sums: Tensor, v: Tensor, beta2: float, columns: int) -> tuple[Tensor, Tensor, Tensor]:
+    """From the row sums of squares ``sums`` ``[..., R]`` over ``columns`` columns: the new ``v``
+    ``[..., R, 1]``, the rows' denominators ``sqrt(v) + eps`` and ``[||O||², ||Ô||²]`` ``[..., 2]``
+    (each matrix of the batch on its own; a cut matrix's are partial sums until summed over its
+    group)."""
+    v = torch.lerp(v, (sums / columns).unsqueeze(-1), 1 - beta2)
+    denom = v.sqrt() + NORMUON_EPS
+    norms2 = torch.stack([sums.sum(-1), (sums / denom.squeeze(-1).square()).sum(-1)], dim=-1)
+    return v, denom, norms2
+
+
+def _normuon_scale(norms2: Tensor) -> Tensor:
+    """The Frobenius rescale ``||O|| / max(||Ô||, eps)`` from ``[||O||², ||Ô||²]``."""
+    return norms2[..., 0].sqrt() / norms2[..., 1].sqrt().clamp_min(NORMUON_EPS)
 
 
 def normuon_on(group) -> bool:
