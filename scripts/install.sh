@@ -36,15 +36,18 @@ torch_index=()
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
     torch_index=(--extra-index-url "$TORCH_INDEX_URL")
 fi
-"$PY" -m pip install --quiet "torch==$TORCH_VERSION" ${torch_index[@]+"${torch_index[@]}"}
+# --no-compile: pip would byte-compile every module of torch, transformers, ... (tens of seconds of
+# CPU, more on a loaded machine); Python compiles the few a run imports when it first imports them.
+pip_install=("$PY" -m pip install --quiet --no-compile)
+"${pip_install[@]}" "torch==$TORCH_VERSION" ${torch_index[@]+"${torch_index[@]}"}
 # triton (torchtitan's model code imports it): a CUDA build of torch requires its own triton, which
 # then stays; the CPU build requires none, and gets the release CI tests with (TRITON_VERSION).
 if ! "$PY" -c 'import importlib.metadata as m, sys; sys.exit(not any(r.startswith("triton") for r in m.requires("torch") or []))'; then
     echo "triton==${TRITON_VERSION:-3.9.0}" >>"$constraints"
 fi
 if [ -n "$EXTRAS" ]; then
-    "$PY" -m pip install --quiet -e ".[$EXTRAS]"
+    "${pip_install[@]}" -e ".[$EXTRAS]"
 else
-    "$PY" -m pip install --quiet -e .
+    "${pip_install[@]}" -e .
 fi
 "$PY" -c 'import torch, optimizer; print(f"torch {torch.__version__}; optimizer {optimizer.__version__} ready in '"$VENV"'")'
