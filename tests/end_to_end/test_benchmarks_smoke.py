@@ -140,7 +140,9 @@ def test_peak_memory_stays_within_the_plans_bound(tmp_path):
     script = _BENCH / "peak_memory.py"
     done = subprocess.run([sys.executable, str(script), "--ranks", "2", "--experts", "4", "--deviation-steps", "3",
                            "--out", str(tmp_path)],
-                          timeout=120, capture_output=True, text=True)
+                          # a hang guard, not a check: 73 s on a loaded 2-core machine, and past 120 s
+                          # when it started beside the other slowest tests (tests/conftest.py)
+                          timeout=300, capture_output=True, text=True)
     rows = json.loads((tmp_path / "peak_memory.json").read_text())
     assert len(rows) == 2 and all(0 < r["peak"] <= r["bound"] for r in rows), rows
     assert done.returncode == 0, done.stdout + done.stderr
