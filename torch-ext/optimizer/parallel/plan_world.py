@@ -134,15 +134,20 @@ def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings:
 def _cut_units(params: Sequence[PlanParam], jobs: list[_Job], world: int, split: bool,
                held: Callable[[], dict[int, float]] = dict) -> list[_Job]:
     """Cut units over k ranks where the cost model says it lowers the busiest rank
-    (``split_plan.py``), counting what each rank orthogonalises where it is (``held()``, computed
-    only if the choice is made); the whole units are then owned anew, around the cut ones."""
+    (``split_plan.py``), counting what each rank orthogonalises where it is (``held()``); the
+    whole units are then owned anew, around the cut ones and the held load (also where nothing is
+    cut, if anything is held)."""
     if all(params[j.param].split is None for j in jobs):
         return jobs
     units = [_unit_options(params[j.param], j, split) for j in jobs]
     keys = [pair_key(params, j) for j in jobs]
     ks = choose_ks(units, world, held, keys)
     if ks is None:
-        return jobs
+        if not any(held().values()):
+            return jobs
+        # nothing cut, but some ranks orthogonalise units where they are (experts held whole that
+        # stay home): own the whole units around that load, not on top of it
+        ks = [1] * len(units)
     owners, _ = assign_paired(units, ks, held(), keys)
     out: list[_Job] = []
     for n, (job, u, k, owner) in enumerate(zip(jobs, units, ks, owners)):
