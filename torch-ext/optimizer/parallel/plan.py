@@ -94,9 +94,11 @@ def _world(params: Sequence[PlanParam], settings: PlanSettings) -> _World:
              if (m := plan_moves(params, members, {}, settings.chunk_size)) is not None]
     moving = {i for m in moves for i in m.params}
     fixed = [i for i in local if i not in moving]
-    held = _held_loads(params, fixed, [i for i in movable_ix if i in moving])
+    held_for = _held_loads(params, fixed, [i for i in movable_ix if i in moving])
     out = []
     for key, members in patterns:
+        # a pattern sees the load held on meshes that hold all its ranks (alike on each of them)
+        held = held_for(params[members[0]].layout.grid.ranks)
         jobs, order = _pattern_chunks(params, members, settings, key[-1], held)
         out.append((key, members, jobs, order))
     return _World(out, moves, local, gather_all)
