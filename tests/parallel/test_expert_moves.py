@@ -358,3 +358,19 @@ def test_no_process_group_is_made_in_a_step_with_moves():
     assert all(calls == [] for calls, _ in results)
     assert sum(n for _, n in results) > 0
 
+
+def test_whole_matrices_are_owned_around_experts_that_stay_home():
+    """Links so slow that no expert moves and no matrix is cut: ranks 0 and 1 each run an expert
+    where it is, so the six 64 x 64 matrices (each costing what an expert costs) go to ranks 2-7,
+    one each, and every rank runs one unit (issue 29: DeepSeek-V3 Shard(0) at 512 ranks had a dense
+    gate_proj on an expert holder, 2.04x the ideal where 1.89x was the bound).  Reference: the
+    holders from the placement (torch.chunk: expert e on rank e) and the costs written here."""
+    slow = SplitHardware("test: slow links", CPU_GLOO.bf16_flops, CPU_GLOO.fp32_flops, 1e3, 1.0, torch.float32,
+                         device="cpu")
+    specs = [("ex", (2, 64, 64), Shard(0))] + [(f"d{i}", (64, 64), Shard(0)) for i in range(6)]
+    params = _params(8, specs, slow)
+    patterns = world_jobs(params, PlanSettings())
+    jobs = [j for js, _ in patterns for j in js]
+    assert all(j.holder < 0 and j.cut is None for j in jobs)  # nothing moved, nothing cut
+    assert sorted(j.owner for j in jobs) == [2, 3, 4, 5, 6, 7]
+    assert _cost((1, 64, 64)) == _cost((64, 64))  # so one unit per rank is the best any plan does

@@ -258,7 +258,7 @@ def test_units_held_whole_count_when_choosing_cuts():
     assert cut() == []
     real = plan._held_loads
     try:
-        plan._held_loads = lambda params, local, movable=(): dict  # blind to them
+        plan._held_loads = lambda params, local, movable=(): lambda ranks: dict  # blind to them
         assert cut()
     finally:
         plan._held_loads = real

@@ -85,17 +85,22 @@ class _World:
 def _world(params: Sequence[PlanParam], settings: PlanSettings) -> _World:
     local, gather_all, patterns = _classify(params, settings)
     movable_ix = [i for i in local if movable(params[i])] if settings.mode != "gather" else []
-    fixed = [i for i in local if i not in set(movable_ix)]
-    held = _held_loads(params, fixed, movable_ix)
-    out = []
-    for key, members in patterns:
-        jobs, order = _pattern_chunks(params, members, settings, key[-1], held)
-        out.append((key, members, jobs, order))
     # Moves are balanced on their own, as each pattern is: their chunks run after the patterns',
     # every chunk meeting at its all-to-alls, so a rank's load in other chunks cannot be traded
-    # against theirs (the critical path adds the chunks' busiest ranks).
+    # against theirs (the critical path adds the chunks' busiest ranks).  They are planned first,
+    # so that the patterns' cuts and owners see the experts that stay home where they are (their
+    # holders' load), and those that move spread evenly.
     moves = [m for members in move_groups(params, movable_ix)
              if (m := plan_moves(params, members, {}, settings.chunk_size)) is not None]
+    moving = {i for m in moves for i in m.params}
+    fixed = [i for i in local if i not in moving]
+    held_for = _held_loads(params, fixed, [i for i in movable_ix if i in moving])
+    out = []
+    for key, members in patterns:
+        # a pattern sees the load held on meshes that hold all its ranks (alike on each of them)
+        held = held_for(params[members[0]].layout.grid.ranks)
+        jobs, order = _pattern_chunks(params, members, settings, key[-1], held)
+        out.append((key, members, jobs, order))
     return _World(out, moves, local, gather_all)
 
 

@@ -134,15 +134,20 @@ def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings:
 def _cut_units(params: Sequence[PlanParam], jobs: list[_Job], world: int, split: bool,
                held: Callable[[], dict[int, float]] = dict) -> list[_Job]:
     """Cut units over k ranks where the cost model says it lowers the busiest rank
-    (``split_plan.py``), counting what each rank orthogonalises where it is (``held()``, computed
-    only if the choice is made); the whole units are then owned anew, around the cut ones."""
+    (``split_plan.py``), counting what each rank orthogonalises where it is (``held()``); the
+    whole units are then owned anew, around the cut ones and the held load (also where nothing is
+    cut, if anything is held)."""
     if all(params[j.param].split is None for j in jobs):
         return jobs
     units = [_unit_options(params[j.param], j, split) for j in jobs]
     keys = [pair_key(params, j) for j in jobs]
     ks = choose_ks(units, world, held, keys)
     if ks is None:
-        return jobs
+        if not any(held().values()):
+            return jobs
+        # nothing cut, but some ranks orthogonalise units where they are (experts held whole that
+        # stay home): own the whole units around that load, not on top of it
+        ks = [1] * len(units)
     owners, _ = assign_paired(units, ks, held(), keys)
     out: list[_Job] = []
     for n, (job, u, k, owner) in enumerate(zip(jobs, units, ks, owners)):
@@ -260,34 +265,62 @@ def _pattern_chunks(params: Sequence[PlanParam], members: Sequence[int], setting
 
 
 def _held_loads(params: Sequence[PlanParam], local: Sequence[int],
-                movable: Sequence[int] = ()) -> Callable[[], dict[int, float]]:
-    """Every rank's Newton-Schulz cost of the DTensor units it orthogonalises where it is (experts
-    held whole, replicated weights), and of ``movable`` ones as they will be once moved (spread
-    evenly over their mesh: ``plan_moves.py``): computed once, when the choice of cuts first needs
-    it (it touches every rank of the world)."""
-    memo: list[dict[int, float]] = []
+                movable: Sequence[int] = ()) -> Callable[[tuple[int, ...]], Callable[[], dict[int, float]]]:
+    """For the pattern on ``ranks``: every rank's Newton-Schulz cost of the DTensor units it
+    orthogonalises where it is (experts held whole, replicated weights), and of ``movable`` ones
+    as they will be once moved (spread evenly over their mesh: ``plan_moves.py``), computed once,
+    when the pattern's choice of cuts or owners first needs it (it touches every rank of the world).
 
-    def held() -> dict[int, float]:
-        if not memo:
-            loads: dict[int, float] = {}
-            for i in (*local, *movable):
-                lay = params[i].layout
-                if lay is None:
-                    continue  # plain tensors: the same on every rank
-                costs = {}
-                for r in lay.grid.ranks:
-                    shape = lay.local_shape(lay.grid.coordinate(r))
-                    if math.prod(shape) > 0:
-                        costs[r] = params[i].cost(shape)
-                if i in movable:
-                    even = sum(costs.values()) / len(lay.grid.ranks)
-                    costs = {r: even for r in lay.grid.ranks}
-                for r, c in costs.items():
-                    loads[r] = loads.get(r, 0.0) + c
-            memo.append(loads)
-        return memo[0]
+    Only parameters whose mesh holds every one of ``ranks`` count, because the pattern's plan must
+    be the same on each of its ranks and a mesh is what this rank sees, not what the others see:
+    a parameter's mesh may be one slice of a larger mesh, another slice on other ranks (FSDP over
+    TP shards the experts over the ``dp_shard`` slice: ranks (0, 2) on ranks 0 and 2, (1, 3) on
+    ranks 1 and 3).  Counting such a slice on the ranks that hold it, each rank of the pattern saw
+    other held loads and owned the pattern's matrices elsewhere (the all-to-alls' sizes disagreed:
+    a gloo size mismatch).  A mesh that holds every rank of the pattern is the same mesh on each
+    of them (the parameter is one DTensor over it, and the parameter lists are agreed), so all of
+    them count it, and a slice that does not is counted by none of them."""
+    costs: dict[int, dict[int, float]] = {}  # per parameter: rank -> cost, shared by the patterns
+    rank_sets: dict[object, frozenset[int]] = {}
+    moved = set(movable)
 
-    return held
+    def param_costs(i: int) -> dict[int, float]:
+        if i not in costs:
+            lay = params[i].layout
+            out = {}
+            for r in lay.grid.ranks:
+                shape = lay.local_shape(lay.grid.coordinate(r))
+                if math.prod(shape) > 0:
+                    out[r] = params[i].cost(shape)
+            if i in moved:
+                even = sum(out.values()) / len(lay.grid.ranks)
+                out = {r: even for r in lay.grid.ranks}
+            costs[i] = out
+        return costs[i]
+
+    def holds_all(grid, ranks: tuple[int, ...]) -> bool:
+        if grid not in rank_sets:
+            rank_sets[grid] = frozenset(grid.ranks)
+        return rank_sets[grid].issuperset(ranks)
+
+    def for_pattern(ranks: tuple[int, ...]) -> Callable[[], dict[int, float]]:
+        memo: list[dict[int, float]] = []
+
+        def held() -> dict[int, float]:
+            if not memo:
+                loads: dict[int, float] = {}
+                for i in (*local, *movable):
+                    lay = params[i].layout
+                    if lay is None or not holds_all(lay.grid, ranks):
+                        continue  # plain tensors: the same on every rank; a slice: see above
+                    for r, c in param_costs(i).items():
+                        loads[r] = loads.get(r, 0.0) + c
+                memo.append(loads)
+            return memo[0]
+
+        return held
+
+    return for_pattern
 
 
 def _cut_units_together(jobs: Sequence[_Job], order: list[list[int]],
