@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from ..distributed.layout import ParamLayout
 from .owners import assign_owners_among, cut_chunks, split_range_evenly
 from .plan_types import PlanParam, PlanSettings
-from .split_plan import (Cut, UnitOptions, aligned_groups, always_k, assign_paired, auto_ks, block_widths, choose_ks,
+from .split_plan import (Cut, UnitOptions, aligned_groups, always_k, auto_ks, block_widths, choose_plan,
                          cut_dim, set_lengths, sub_shape)
 
 # A unit is cut into expert ranges no costlier than this fraction of the mean load per owner.
@@ -140,10 +140,10 @@ def _cut_units(params: Sequence[PlanParam], jobs: list[_Job], world: int, split:
         return jobs
     units = [_unit_options(params[j.param], j, split) for j in jobs]
     keys = [pair_key(params, j) for j in jobs]
-    ks = choose_ks(units, world, held, keys)
-    if ks is None:
+    plan = choose_plan(units, world, held, keys)
+    if plan is None:
         return jobs
-    owners, _ = assign_paired(units, ks, held(), keys)
+    ks, owners = plan
     out: list[_Job] = []
     for n, (job, u, k, owner) in enumerate(zip(jobs, units, ks, owners)):
         if k == 1:

@@ -46,6 +46,7 @@ busiest rank.
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
@@ -342,6 +343,10 @@ class UnitOptions:
     def at(self, k: int) -> float:
         return self.cost if k == 1 else self.member_cost(k)
 
+    def at_alone(self, k: int) -> float:
+        """Member cost at k > 1 with no partner (``member_cost`` where ``alone`` is not given)."""
+        return self.alone(k) if self.alone is not None else self.member_cost(k)
+
 
 def assign(units: Sequence[UnitOptions], ks: Sequence[int],
            held: dict[int, float] | None = None) -> tuple[list[int], dict[int, float]]:
@@ -459,3 +464,148 @@ def _classes(units: Sequence[UnitOptions], auto: Sequence[int], ks: Sequence[int
         else:
             out.append([i])
     return out
+
+
+# ----------------------------------------------------------------------------
+# Choosing each unit's way as it is placed (two k's in one class)
+# ----------------------------------------------------------------------------
+
+# Bisection steps of :func:`pack_ways`' target between the average load and the class plan's busiest rank.
+PACK_STEPS = 12
+
+
+def choose_plan(units: Sequence[UnitOptions], world: int, held: Callable[[], dict[int, float]] = dict,
+                keys: Sequence[object] | None = None) -> tuple[list[int], list[int]] | None:
+    """k and owner per unit (the owner as :func:`assign` gives it: a rank for k = 1, else the
+    index of its group among ``units[i].groups(k)``), or None when every unit stays whole.
+
+    Two plans, the one with the less loaded busiest rank kept (ties: the first): :func:`choose_ks`
+    with :func:`assign_paired` (one k per class of similar units), and, with ``keys``,
+    :func:`pack_ways` (each unit's way chosen as it is placed, so units of one class may take
+    different k: Llama-3-70B at 1,024 ranks needs its q/o over 8 ranks on the groups that hold a
+    pair of MLP matrices and paired over 4 on the others)."""
+    ks = choose_ks(units, world, held, keys)
+    if ks is not None:
+        owners, loads = assign_paired(units, ks, held(), keys) if keys is not None else assign(units, ks, held())
+        best = (max(loads.values(), default=0.0), ks, owners)
+    auto = [i for i, u in enumerate(units) if u.ks and u.forced == 1]
+    total = sum(u.cost for u in units)
+    packable = (keys is not None and auto and all(u.forced == 1 for u in units)
+                and max(units[i].cost for i in auto) > TRIGGER * total / max(1, world))
+    if packable:
+        if ks is None:
+            ks = [1] * len(units)
+            owners, loads = assign(units, ks, held())
+            best = (max(loads.values(), default=0.0), ks, owners)
+        packed = pack_ways(units, held(), keys, best[0])
+        if packed[0] < best[0]:
+            best = packed
+    if ks is None or not any(k > 1 for k in best[1]):
+        return None
+    return best[1], best[2]
+
+
+class _Groups:
+    """The least loaded of a list of rank groups (by its busiest member), under loads that only
+    grow: a heap of (busiest member's load, position) whose stale entries are refreshed as they
+    surface (a stale entry is too low, never too high)."""
+
+    def __init__(self, groups: Sequence[Sequence[int]], loads: dict[int, float]):
+        self.groups, self.loads = groups, loads
+        self.heap = [(max(loads.get(r, 0.0) for r in g), pos) for pos, g in enumerate(groups)]
+        heapq.heapify(self.heap)
+
+    def least(self) -> tuple[float, int]:
+        while True:
+            load, pos = self.heap[0]
+            now = max(self.loads.get(r, 0.0) for r in self.groups[pos])
+            if now == load:
+                return load, pos
+            heapq.heapreplace(self.heap, (now, pos))
+
+    def charge(self, pos: int, cost: float) -> None:
+        for r in self.groups[pos]:
+            self.loads[r] = self.loads.get(r, 0.0) + cost
+        heapq.heapreplace(self.heap, (max(self.loads[r] for r in self.groups[pos]), pos))
+
+
+def _pack(units: Sequence[UnitOptions], order: Sequence[int], held: dict[int, float], keys: Sequence[object],
+          target: float) -> tuple[float, list[int], list[int]]:
+    """One pass of :func:`pack_ways` at ``target``: (busiest rank, k per unit, owner per unit)."""
+    loads = dict(held)
+    ks = [1] * len(units)
+    owners = [0] * len(units)
+    ranks: dict[tuple, _Groups] = {}
+    groups: dict[tuple, _Groups] = {}
+
+    def whole(u: UnitOptions) -> _Groups:
+        cands = tuple(u.candidates)
+        if cands not in ranks:
+            ranks[cands] = _Groups(tuple((r,) for r in dict.fromkeys(cands)), loads)
+        return ranks[cands]
+
+    def of(u: UnitOptions, k: int) -> _Groups:
+        options = u.groups(k)
+        if (id(options), k) not in groups:
+            groups[(id(options), k)] = _Groups(options, loads)
+        return groups[(id(options), k)]
+
+    n = 0
+    while n < len(order):
+        i = order[n]
+        u = units[i]
+        partner = order[n + 1] if n + 1 < len(order) and keys[order[n + 1]] == keys[i] else None
+        # (rank-time per unit, load after, units taken, k, where): whole, alone over k, paired over k
+        ways = [(u.cost, whole(u), 1, 1, u.cost)]
+        for k in (u.ks if u.forced == 1 else ()):
+            ways.append((k * u.at_alone(k), of(u, k), 1, k, u.at_alone(k)))
+            if partner is not None and k in units[partner].ks:
+                pair = u.member_cost(k) + units[partner].member_cost(k)
+                ways.append((k * pair / 2, of(u, k), 2, k, pair))
+        options = []
+        for area, where, taken, k, cost in ways:
+            least, pos = where.least()
+            after = least + cost
+            # fits under the target: least rank-time first; else: least load after
+            options.append((after > target, area if after <= target else after, after, taken, k, where, pos, cost))
+        _, _, _, taken, k, where, pos, cost = min(options, key=lambda o: o[:4])
+        where.charge(pos, cost)
+        for m in order[n: n + taken]:
+            ks[m] = k
+            owners[m] = where.groups[pos][0] if k == 1 else pos
+        n += taken
+    return max(loads.values(), default=0.0), ks, owners
+
+
+def pack_ways(units: Sequence[UnitOptions], held: dict[int, float], keys: Sequence[object],
+              ceiling: float) -> tuple[float, list[int], list[int]]:
+    """A plan that chooses each unit's way as it places it: (busiest rank, k per unit, owner per
+    unit as :func:`choose_plan` gives them).
+
+    Units are taken costliest first (those of one key together, so that two in a row may be
+    paired).  Each goes the way that puts the least rank-time on the world (k x its member
+    cost: whole, alone over k ranks, or paired with the next unit of its key over k ranks, the
+    two as one call) among those whose least loaded rank or group stays under a target load;
+    where none does, the way that leaves the least load.  The target is bisected between the
+    world's average (every unit at its least rank-time) and ``ceiling`` (the busiest rank of
+    another plan), and the best pass kept: cost linear in the units per pass, PACK_STEPS + 1
+    passes.  Pure: every rank computes the same plan."""
+    first: dict[object, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    order = sorted(range(len(units)), key=lambda i: (-units[i].cost, first[keys[i]], i))
+    world = {r for u in units for r in u.candidates} | set(held)
+    least_area = sum(min([u.cost] + [k * u.member_cost(k) for k in u.ks]) for u in units)
+    low = (sum(held.values()) + least_area) / max(1, len(world))
+    high = ceiling
+    best = _pack(units, order, held, keys, high)
+    for _ in range(PACK_STEPS):
+        target = (low + high) / 2
+        trial = _pack(units, order, held, keys, target)
+        if trial[0] < best[0]:
+            best = trial
+        if trial[0] <= target:
+            high = target
+        else:
+            low = target
+    return best
