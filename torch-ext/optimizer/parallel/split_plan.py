@@ -497,7 +497,7 @@ def choose_plan(units: Sequence[UnitOptions], world: int, held: Callable[[], dic
             ks = [1] * len(units)
             owners, loads = assign(units, ks, held())
             best = (max(loads.values(), default=0.0), ks, owners)
-        packed = pack_ways(units, held(), keys, best[0])
+        packed = pack_ways(units, world, held(), keys, best[0])
         if packed[0] < best[0]:
             best = packed
     if ks is None or not any(k > 1 for k in best[1]):
@@ -535,14 +535,15 @@ def _pack(units: Sequence[UnitOptions], order: Sequence[int], held: dict[int, fl
     loads = dict(held)
     ks = [1] * len(units)
     owners = [0] * len(units)
-    ranks: dict[tuple, _Groups] = {}
+    ranks: dict[int, _Groups] = {}
     groups: dict[tuple, _Groups] = {}
 
     def whole(u: UnitOptions) -> _Groups:
-        cands = tuple(u.candidates)
-        if cands not in ranks:
-            ranks[cands] = _Groups(tuple((r,) for r in dict.fromkeys(cands)), loads)
-        return ranks[cands]
+        # keyed by identity (hashing the candidates would cost ranks x units); heaps of equal
+        # candidate sets share ``loads``, so each still sees the others' charges
+        if id(u.candidates) not in ranks:
+            ranks[id(u.candidates)] = _Groups(tuple((r,) for r in dict.fromkeys(u.candidates)), loads)
+        return ranks[id(u.candidates)]
 
     def of(u: UnitOptions, k: int) -> _Groups:
         options = u.groups(k)
@@ -577,7 +578,7 @@ def _pack(units: Sequence[UnitOptions], order: Sequence[int], held: dict[int, fl
     return max(loads.values(), default=0.0), ks, owners
 
 
-def pack_ways(units: Sequence[UnitOptions], held: dict[int, float], keys: Sequence[object],
+def pack_ways(units: Sequence[UnitOptions], world: int, held: dict[int, float], keys: Sequence[object],
               ceiling: float) -> tuple[float, list[int], list[int]]:
     """A plan that chooses each unit's way as it places it: (busiest rank, k per unit, owner per
     unit as :func:`choose_plan` gives them).
@@ -594,9 +595,8 @@ def pack_ways(units: Sequence[UnitOptions], held: dict[int, float], keys: Sequen
     for i, key in enumerate(keys):
         first.setdefault(key, i)
     order = sorted(range(len(units)), key=lambda i: (-units[i].cost, first[keys[i]], i))
-    world = {r for u in units for r in u.candidates} | set(held)
     least_area = sum(min([u.cost] + [k * u.member_cost(k) for k in u.ks]) for u in units)
-    low = (sum(held.values()) + least_area) / max(1, len(world))
+    low = (sum(held.values()) + least_area) / max(1, world)
     high = ceiling
     best = _pack(units, order, held, keys, high)
     for _ in range(PACK_STEPS):
