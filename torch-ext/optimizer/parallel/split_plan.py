@@ -529,48 +529,58 @@ class _Groups:
         heapq.heapreplace(self.heap, (max(self.loads[r] for r in self.groups[pos]), pos))
 
 
-def _pack(units: Sequence[UnitOptions], order: Sequence[int], held: dict[int, float], keys: Sequence[object],
+class _Menu(NamedTuple):
+    """A unit's ways, priced once for every pass of :func:`pack_ways`."""
+
+    cost: float  # whole
+    candidates: Sequence[int]
+    cuts: dict  # k -> (its groups, member cost alone, member cost paired)
+
+
+def _menu(u: UnitOptions) -> _Menu:
+    ks = u.ks if u.forced == 1 else ()
+    return _Menu(u.cost, u.candidates, {k: (u.groups(k), u.at_alone(k), u.member_cost(k)) for k in ks})
+
+
+def _pack(menus: Sequence[_Menu], order: Sequence[int], held: dict[int, float], keys: Sequence[object],
           target: float) -> tuple[float, list[int], list[int]]:
     """One pass of :func:`pack_ways` at ``target``: (busiest rank, k per unit, owner per unit)."""
     loads = dict(held)
-    ks = [1] * len(units)
-    owners = [0] * len(units)
-    ranks: dict[int, _Groups] = {}
-    groups: dict[tuple, _Groups] = {}
+    ks = [1] * len(menus)
+    owners = [0] * len(menus)
+    # heaps keyed by identity (hashing the candidates would cost ranks x units); heaps over the
+    # same ranks share ``loads``, so each still sees the others' charges
+    heaps: dict[int, _Groups] = {}
 
-    def whole(u: UnitOptions) -> _Groups:
-        # keyed by identity (hashing the candidates would cost ranks x units); heaps of equal
-        # candidate sets share ``loads``, so each still sees the others' charges
-        if id(u.candidates) not in ranks:
-            ranks[id(u.candidates)] = _Groups(tuple((r,) for r in dict.fromkeys(u.candidates)), loads)
-        return ranks[id(u.candidates)]
-
-    def of(u: UnitOptions, k: int) -> _Groups:
-        options = u.groups(k)
-        if (id(options), k) not in groups:
-            groups[(id(options), k)] = _Groups(options, loads)
-        return groups[(id(options), k)]
+    def heap(options, whole: bool) -> _Groups:
+        if id(options) not in heaps:
+            heaps[id(options)] = _Groups(tuple((r,) for r in dict.fromkeys(options)) if whole else options, loads)
+        return heaps[id(options)]
 
     n = 0
     while n < len(order):
         i = order[n]
-        u = units[i]
-        partner = order[n + 1] if n + 1 < len(order) and keys[order[n + 1]] == keys[i] else None
-        # (rank-time per unit, load after, units taken, k, where): whole, alone over k, paired over k
-        ways = [(u.cost, whole(u), 1, 1, u.cost)]
-        for k in (u.ks if u.forced == 1 else ()):
-            ways.append((k * u.at_alone(k), of(u, k), 1, k, u.at_alone(k)))
-            if partner is not None and k in units[partner].ks:
-                pair = u.member_cost(k) + units[partner].member_cost(k)
-                ways.append((k * pair / 2, of(u, k), 2, k, pair))
-        options = []
-        for area, where, taken, k, cost in ways:
+        u = menus[i]
+        partner = menus[order[n + 1]].cuts if n + 1 < len(order) and keys[order[n + 1]] == keys[i] else {}
+        where = heap(u.candidates, True)
+        least, pos = where.least()
+        # (misses the target, rank-time per unit if it fits else load after, load after, units taken), k, where
+        options = [((least + u.cost > target, u.cost if least + u.cost <= target else least + u.cost,
+                     least + u.cost, 1), 1, where, pos, u.cost)]
+        for k, (groups, alone, paired) in u.cuts.items():
+            where = heap(groups, False)
             least, pos = where.least()
-            after = least + cost
-            # fits under the target: least rank-time first; else: least load after
-            options.append((after > target, area if after <= target else after, after, taken, k, where, pos, cost))
-        _, _, _, taken, k, where, pos, cost = min(options, key=lambda o: o[:4])
+            ways = [(1, alone, k * alone)]
+            if k in partner:  # paired with the next unit of its key: the two as one call
+                pair = paired + partner[k][2]
+                ways.append((2, pair, k * pair / 2))
+            for taken, cost, area in ways:
+                after = least + cost
+                # fits under the target: least rank-time first; else: least load after
+                options.append(((after > target, area if after <= target else after, after, taken), k, where, pos, cost))
+        rank, k, where, pos, cost = min(options, key=lambda o: o[0])
         where.charge(pos, cost)
+        taken = rank[3]
         for m in order[n: n + taken]:
             ks[m] = k
             owners[m] = where.groups[pos][0] if k == 1 else pos
@@ -595,13 +605,14 @@ def pack_ways(units: Sequence[UnitOptions], world: int, held: dict[int, float], 
     for i, key in enumerate(keys):
         first.setdefault(key, i)
     order = sorted(range(len(units)), key=lambda i: (-units[i].cost, first[keys[i]], i))
-    least_area = sum(min([u.cost] + [k * u.member_cost(k) for k in u.ks]) for u in units)
+    menus = [_menu(u) for u in units]
+    least_area = sum(min([m.cost] + [k * paired for k, (_, _, paired) in m.cuts.items()]) for m in menus)
     low = (sum(held.values()) + least_area) / max(1, world)
     high = ceiling
-    best = _pack(units, order, held, keys, high)
+    best = _pack(menus, order, held, keys, high)
     for _ in range(PACK_STEPS):
         target = (low + high) / 2
-        trial = _pack(units, order, held, keys, target)
+        trial = _pack(menus, order, held, keys, target)
         if trial[0] < best[0]:
             best = trial
         if trial[0] <= target:
