@@ -272,9 +272,9 @@ def test_llama3_70b_at_512_ranks_meets_the_target(bench, models):
     """Llama-3-70B at 512 FSDP ranks (issue 29): one k per class left the busiest rank at 1.35x
     (every gate/up/down over 8 ranks, 6 on the busiest group); with each unit's way chosen as it is
     placed (``split_plan.pack_ways``) every gate/up/down goes paired over 4 ranks (120 of the 128
-    groups of 4), beside each pair a q/o over 4 alone (0.86x + 0.35x of the ideal share), 8 more
-    q/o over 4 and 32 whole on the other 32 ranks: busiest rank and critical path within the
-    1.25x target, and no lower than the bound (split_bound.py)."""
+    groups of 4), beside 112 of the pairs a q/o over 4 alone (0.86x + 0.35x of the ideal share),
+    and on the other 32 ranks 32 q/o whole and 16 paired over 4: busiest rank and critical path
+    within the 1.25x target, and no lower than the bound (split_bound.py)."""
     args = SimpleNamespace(ns_steps=5, wire_dtype="bf16", chunk_size=None, lookahead=1, state_bytes=4,
                            compute_bytes=2, replica_flops_per_byte=AUTO)
     auto = bench.evaluate(models["llama3-70b"], bench.Layout(1, 512, None), None, args, "auto")

@@ -45,7 +45,7 @@ busiest rank.
 **Two k's in one class.**  One k per class misses plans where units of one shape must run two
 ways: Llama-3-70B at 1,024 ranks reaches its bound only with 128 of its 160 q/o over 8 ranks
 alone (one beside each pair of MLP matrices) and the other 32 paired over 4 (1.61x -> 1.48x the
-ideal share); at 512 ranks with 128 q/o over 4 and 32 whole (1.35x -> 1.20x).
+ideal share); at 512 ranks with 128 q/o over 4 (16 of them paired) and 32 whole (1.35x -> 1.20x).
 :func:`choose_plan` therefore also builds :func:`pack_ways`' plan, which chooses each unit's way
 as it places it (the way with the least rank-time that stays under a target load, the target
 bisected), and keeps whichever of the two has the less loaded busiest rank.
