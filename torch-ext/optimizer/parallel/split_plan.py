@@ -48,7 +48,8 @@ alone (one beside each pair of MLP matrices) and the other 32 paired over 4 (1.6
 ideal share); at 512 ranks with 128 q/o over 4 (16 of them paired) and 32 whole (1.35x -> 1.20x).
 :func:`choose_plan` therefore also builds :func:`pack_ways`' plan, which chooses each unit's way
 as it places it (the way with the least rank-time that stays under a target load, the target
-bisected), and keeps whichever of the two has the less loaded busiest rank.
+bisected), and keeps it where its busiest rank is at least :data:`MIN_GAIN` lower (as for a
+doubling of k: a smaller gain is not worth the bytes of cutting further).
 """
 
 from __future__ import annotations
@@ -487,8 +488,8 @@ def choose_plan(units: Sequence[UnitOptions], world: int, held: Callable[[], dic
     """k and owner per unit (the owner as :func:`assign` gives it: a rank for k = 1, else the
     index of its group among ``units[i].groups(k)``), or None when every unit stays whole.
 
-    Two plans, the one with the less loaded busiest rank kept (ties: the first): :func:`choose_ks`
-    with :func:`assign_paired` (one k per class of similar units), and, with ``keys``,
+    Two plans: :func:`choose_ks` with :func:`assign_paired` (one k per class of similar units),
+    kept unless the other lowers the busiest rank by at least :data:`MIN_GAIN`, and, with ``keys``,
     :func:`pack_ways` (each unit's way chosen as it is placed, so units of one class may take
     different k: Llama-3-70B at 1,024 ranks needs its q/o over 8 ranks on the groups that hold a
     pair of MLP matrices and paired over 4 on the others)."""
@@ -506,7 +507,7 @@ def choose_plan(units: Sequence[UnitOptions], world: int, held: Callable[[], dic
             owners, loads = assign(units, ks, held())
             best = (max(loads.values(), default=0.0), ks, owners)
         packed = pack_ways(units, world, held(), keys, best[0])
-        if packed[0] < best[0]:
+        if packed[0] <= best[0] * (1 - MIN_GAIN):  # as a doubling of k: more bytes only for a real gain
             best = packed
     if ks is None or not any(k > 1 for k in best[1]):
         return None
