@@ -318,6 +318,42 @@ def test_auto_splits_when_there_are_fewer_matrices_than_ranks_and_equals_single_
             torch.testing.assert_close(got[n], ref, atol=ATOL, rtol=RTOL, msg=lambda m: f"{n}: {m}")
 
 
+
+QUAD = [(f"w{i}", (64, 160), ["S0"]) for i in range(4)]  # one class of four same-shape units
+
+
+def _mixed_ways(rank, world_size):
+    """A plan with three ways in one class (issue 29, ``split_plan.choose_plan``), forced the same
+    on every rank: w0 and w1 paired over ranks 0-1, w2 over all four, w3 whole on rank 3."""
+    from optimizer import step_context
+    from optimizer.parallel import plan_world
+
+    step_context.split_hardware = lambda device: _fast_link()
+    real = plan_world.choose_plan
+
+    def forced(units, world, held=dict, keys=None):
+        plan = real(units, world, held, keys)
+        if len(units) != 4:
+            return plan
+        assert len(set(keys)) == 1 and all(u.ks == (2, 4) for u in units)  # one class, may go over 2 or 4
+        return [2, 2, 4, 1], [0, 0, 0, 3]
+
+    plan_world.choose_plan = forced
+    full, stats = run_distributed(rank, world_size, (world_size,), QUAD, 3, False, with_stats=True)
+    return full, stats.split_units
+
+
+def test_one_class_over_two_ks_paired_and_whole_equals_single_device():
+    """The runtime runs whatever ways the planner gives one class's units: two paired over 2 ranks,
+    one over 4 alone, one whole.  Every parameter equals single-device Muon; the blocks each rank
+    ran in the last step (3, 3, 1, 1) show the forced plan was the one run."""
+    want = run_reference(QUAD, 3, False)
+    results = run_ranks(_mixed_ways, 4, timeout=240)
+    assert [split_units for _, split_units in results] == [3, 3, 1, 1]
+    for got, _ in results:
+        for n, ref in want.items():
+            torch.testing.assert_close(got[n], ref, atol=ATOL, rtol=RTOL, msg=lambda m: f"{n}: {m}")
+
 def _auto_hsdp(rank, world_size):
     from optimizer import step_context
 

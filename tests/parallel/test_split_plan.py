@@ -6,6 +6,7 @@ rank never rises above the unsplit plan's)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -19,7 +20,7 @@ from optimizer.newton_schulz import newton_schulz_flops
 from optimizer.parallel.plan import PlanParam, PlanSettings, build_plan, world_jobs
 from optimizer.parallel.split_newton_schulz import CPU_GLOO, CUDA_NVLINK, SplitHardware
 from optimizer.parallel.split_plan import (SPLIT_MAX_RANKS, SplitModel, UnitOptions, aligned_groups, assign_paired,
-                                           auto_ks, block_widths, choose_ks,
+                                           auto_ks, block_widths, choose_ks, choose_plan,
                                            canonical_sets, cut_blocks, rank_sets)
 
 FREE = SplitHardware("test: free communication", 1e12, 1e12, 1e18, 1e-12, torch.float32)
@@ -294,3 +295,103 @@ def test_sixteen_units_that_run_alone_take_the_k_that_is_fastest_alone():
     owners, loads = assign_paired(units, ks, {}, [0] * 16)
     assert max(loads.values()) == pytest.approx(3.3)
     assert sorted(owners) == list(range(16))  # one group each: 16 groups of 8 = the 128 ranks
+
+
+# ----------------------------------------------------------------------------- two k's in one class
+
+
+def _runtime_busiest(units, ks, owners, world: int) -> float:
+    """The busiest rank of a plan as the runtime runs it (``plan_world.batch_costs``), written
+    here: a whole unit on its owner; the cut units of one class on one group at one k run two by
+    two as one call (each member charged both units' paired cost), an odd one alone."""
+    load = [0.0] * world
+    calls: dict[tuple, list] = {}
+    for u, k, owner in zip(units, ks, owners):
+        if k == 1:
+            load[owner] += u.cost
+        else:
+            calls.setdefault((u.cls, k, u.groups(k)[owner]), []).append(u)
+    for (_, k, group), members in calls.items():
+        cost = sum(a.member_cost(k) + b.member_cost(k) for a, b in zip(members[0::2], members[1::2]))
+        cost += members[-1].alone(k) if len(members) % 2 else 0.0
+        for r in group:
+            load[r] += cost
+    return max(load)
+
+
+def _best_plan(units, world: int) -> float:
+    """Brute force: the least busiest rank over every plan, each unit whole on any rank or cut
+    over any aligned group of any of its k (same-class units on one group paired as the runtime
+    pairs them)."""
+    options = [[(1, r) for r in range(world)] + [(k, g) for k in u.ks for g in range(world // k)] for u in units]
+    return min(_runtime_busiest(units, [k for k, _ in plan], [o for _, o in plan], world)
+               for plan in itertools.product(*options))
+
+
+def _table_units(classes, world: int):
+    """UnitOptions from costs written in the test: per class (whole cost, alone {k: member cost},
+    paired {k: member cost per unit}, how many)."""
+    units, keys = [], []
+    for cls, (cost, alone, paired, count) in enumerate(classes):
+        for _ in range(count):
+            u = UnitOptions(cost, tuple(range(world)), tuple(sorted(alone)), paired.__getitem__,
+                            lambda k: aligned_groups(tuple(range(world)), k), 1, alone.__getitem__)
+            u.cls = cls
+            units.append(u)
+            keys.append(cls)
+    return units, keys
+
+
+@pytest.mark.parametrize("classes, want_ks", [
+    # one 10.0 unit alone over 2 ranks (6.1) and, on the other pair of ranks, two of the 6.0 class
+    # paired over 2 (2.9 each), the third over all 4 alone (2.4): 8.5.  One k for the 6.0 class: 9.1.
+    ([(10.0, {2: 6.1, 4: 4.6}, {2: 4.1, 4: 3.7}, 1), (6.0, {2: 3.3, 4: 2.4}, {2: 2.9, 4: 2.0}, 3)], [2, 2, 2, 4]),
+    # the 10.0 unit over ranks 0-1 (6.9); of the 4.0 class, two whole on ranks 2 and 3 and the third
+    # over both (4.0 + 2.7): 6.9.  One k for the 4.0 class: all three whole, 8.0 on one rank.
+    ([(4.0, {2: 2.7, 4: 1.5}, {2: 2.2, 4: 1.3}, 3), (10.0, {2: 6.9, 4: 4.8}, {2: 4.4, 4: 4.5}, 1)], [1, 1, 2, 2]),
+    # of the 6.0 class, two whole on ranks 2 and 3 and the third over both (6.0 + 3.6); the 8.0 class
+    # whole on ranks 0 and 1: 9.6.  One k per class: every unit over 2 ranks, 9.8.
+    ([(6.0, {2: 3.6, 4: 2.6}, {2: 3.1, 4: 2.2}, 3), (8.0, {2: 5.6, 4: 3.1}, {2: 4.1, 4: 2.4}, 2)], [1, 1, 2, 1, 1]),
+])
+def test_a_class_of_same_shape_units_may_take_two_ks(classes, want_ks):
+    """Issue 29 (Llama-3-70B: some q/o over 8 ranks, the rest paired over 4): on 4 ranks the best
+    plan, found by enumerating every plan here, cuts units of one class over different k (or
+    keeps some whole and cuts the rest).  ``choose_plan`` reaches it; one k per class
+    (``choose_ks``, the planner before) does not.  Costs written in the test, not the cost model's."""
+    world = 4
+    units, keys = _table_units(classes, world)
+    best = _best_plan(units, world)
+    ks, owners = choose_plan(units, world, keys=keys)
+    assert _runtime_busiest(units, ks, owners, world) == pytest.approx(best, abs=1e-12)
+    assert any(len({k for k, key in zip(ks, keys) if key == c}) > 1 for c in set(keys))  # two ways in one class
+    assert ks == want_ks
+    # the instance is one where one k per class is not enough
+    class_ks = choose_ks(units, world, keys=keys) or [1] * len(units)
+    class_owners, _ = assign_paired(units, class_ks, {}, keys)
+    assert _runtime_busiest(units, class_ks, class_owners, world) > best + 0.1
+
+
+def test_choose_plan_is_never_worse_than_one_k_per_class():
+    """Random small worlds (costs drawn here): the plan ``choose_plan`` returns, measured as the
+    runtime runs it, never has a busier rank than the class plan (``choose_ks`` with
+    ``assign_paired``), and never beats the brute-force optimum (a check of the measurement)."""
+    rng = random.Random(1)
+    world = 4
+    for _ in range(40):
+        classes = []
+        for _ in range(rng.choice([1, 2])):
+            cost = rng.choice([4.0, 6.0, 8.0, 10.0, 12.0])
+            alone = {2: round(cost * rng.uniform(0.5, 0.8), 1), 4: round(cost * rng.uniform(0.3, 0.6), 1)}
+            paired = {k: round(v * rng.uniform(0.6, 0.95), 1) for k, v in alone.items()}
+            classes.append((cost, alone, paired, rng.randint(1, 2)))
+        units, keys = _table_units(classes, world)
+        plan = choose_plan(units, world, keys=keys)
+        class_ks = choose_ks(units, world, keys=keys) or [1] * len(units)
+        class_owners, _ = assign_paired(units, class_ks, {}, keys)
+        before = _runtime_busiest(units, class_ks, class_owners, world)
+        if plan is None:  # every unit whole: the class plan keeps them whole too
+            assert class_ks == [1] * len(units)
+            continue
+        after = _runtime_busiest(units, *plan, world)
+        assert after <= before + 1e-12, classes
+        assert after >= _best_plan(units, world) - 1e-12, classes

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from ..distributed.layout import ParamLayout
 from .owners import assign_owners_among, cut_chunks, split_range_evenly
 from .plan_types import PlanParam, PlanSettings
-from .split_plan import (Cut, UnitOptions, aligned_groups, always_k, assign_paired, auto_ks, block_widths, choose_ks,
+from .split_plan import (Cut, UnitOptions, aligned_groups, always_k, assign_paired, auto_ks, block_widths, choose_plan,
                          cut_dim, set_lengths, sub_shape)
 
 # A unit is cut into expert ranges no costlier than this fraction of the mean load per owner.
@@ -141,14 +141,16 @@ def _cut_units(params: Sequence[PlanParam], jobs: list[_Job], world: int, split:
         return jobs
     units = [_unit_options(params[j.param], j, split) for j in jobs]
     keys = [pair_key(params, j) for j in jobs]
-    ks = choose_ks(units, world, held, keys)
-    if ks is None:
+    plan = choose_plan(units, world, held, keys)
+    if plan is not None:
+        ks, owners = plan
+    else:
         if not any(held().values()):
             return jobs
         # nothing cut, but some ranks orthogonalise units where they are (experts held whole that
         # stay home): own the whole units around that load, not on top of it
         ks = [1] * len(units)
-    owners, _ = assign_paired(units, ks, held(), keys)
+        owners, _ = assign_paired(units, ks, held(), keys)
     out: list[_Job] = []
     for n, (job, u, k, owner) in enumerate(zip(jobs, units, ks, owners)):
         if k == 1:
