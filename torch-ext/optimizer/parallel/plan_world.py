@@ -305,11 +305,11 @@ def _held_loads(params: Sequence[PlanParam], local: Sequence[int],
             rank_sets[grid] = frozenset(grid.ranks)
         return rank_sets[grid].issuperset(ranks)
 
-    def for_pattern(ranks: tuple[int, ...]) -> Callable[[], dict[int, float]]:
-        memo: list[dict[int, float]] = []
+    by_ranks: dict[tuple[int, ...], dict[int, float]] = {}  # patterns on the same ranks see the same loads
 
+    def for_pattern(ranks: tuple[int, ...]) -> Callable[[], dict[int, float]]:
         def held() -> dict[int, float]:
-            if not memo:
+            if ranks not in by_ranks:
                 loads: dict[int, float] = {}
                 for i in (*local, *movable):
                     lay = params[i].layout
@@ -317,8 +317,8 @@ def _held_loads(params: Sequence[PlanParam], local: Sequence[int],
                         continue  # plain tensors: the same on every rank; a slice: see above
                     for r, c in param_costs(i).items():
                         loads[r] = loads.get(r, 0.0) + c
-                memo.append(loads)
-            return memo[0]
+                by_ranks[ranks] = loads
+            return by_ranks[ranks]
 
         return held
 
