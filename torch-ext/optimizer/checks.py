@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .newton_schulz import default_compute_dtype
+from .newton_schulz import ns_form_dtypes
 from .ns_kernels import kernels_problem
 from .tensors import is_dtensor, local_view
 
@@ -77,9 +77,17 @@ def gradient_problem(name: str, param: torch.Tensor, grad: torch.Tensor | None, 
 
 def kernels_param_problem(name: str, param: torch.Tensor, group: dict, compute_dtype: torch.dtype | None) -> str | None:
     """Why the group's ``ns_kernels`` cannot run this Muon parameter's Newton–Schulz where its local
-    piece lives (``"triton"`` without Triton, on a device the kernels do not support, ...), or None."""
-    if not group.get("use_muon") or group.get("ns_kernels", "auto") != "triton":
+    piece lives (``"triton"`` without Triton, on a device the kernels do not support, kernels that
+    failed their first-use check there, ...), or None. For ``"auto"`` on a CUDA GPU this runs that
+    check (once per process; ``ns_kernels.kernels_problem``) so that it happens before any step."""
+    mode = group.get("ns_kernels", "auto")
+    if not group.get("use_muon") or mode == "torch":
         return None
     device = local_view(param).device
-    problem = kernels_problem("triton", device, compute_dtype or default_compute_dtype(device))
-    return None if problem is None else f"Muon: parameter '{name}': {problem}"
+    if mode == "auto" and device.type != "cuda":  # torch there: nothing to check (every step asks)
+        return None
+    for dtype in dict.fromkeys(ns_form_dtypes(compute_dtype, device).values()):  # each form's dtype, once
+        problem = kernels_problem(mode, device, dtype)
+        if problem is not None:
+            return f"Muon: parameter '{name}': {problem}"
+    return None

@@ -38,13 +38,20 @@ def check_ns_kernels(value) -> str:
 
 def kernels_problem(mode: str, device: torch.device | str, compute_dtype: torch.dtype) -> str | None:
     """Why Newton–Schulz with ``ns_kernels=mode`` cannot run on ``device`` in ``compute_dtype``
-    (None: it can). Only ``"triton"`` can fail: ``"auto"`` falls back to torch."""
-    if check_ns_kernels(mode) != "triton":
+    (None: it can). Only ``"triton"`` can fail: ``"auto"`` falls back to torch.
+
+    On a CUDA GPU this also runs the kernels' first-use check (kernels/self_check.py: the products
+    in ``compute_dtype`` and the fused elementwise stages, compiled and compared with fp64, once per
+    process), for ``"auto"`` as well: the optimizer asks when a group is added, so the check runs
+    before any step, outside any compiled region or captured graph, and a kernel that fails it
+    makes ``"auto"`` use torch there (with a warning) and ``"triton"`` refuse the group."""
+    if check_ns_kernels(mode) == "torch" or (mode == "auto" and torch.device(device).type != "cuda"):
         return None
     from .kernels import unavailable_reason
 
-    reason = unavailable_reason(device, compute_dtype)
-    if reason is None:
+    reason = (unavailable_reason(device, compute_dtype, kind="products")
+              or unavailable_reason(device, kind="elementwise"))
+    if reason is None or mode == "auto":
         return None
     return (f"ns_kernels='triton' cannot run Newton–Schulz on {torch.device(device)} in {compute_dtype}: {reason}; "
             "use ns_kernels='auto' (the kernels where they run, torch elsewhere) or 'torch'")

@@ -67,9 +67,12 @@ def cuda_properties(index: int) -> tuple[tuple[int, int], int, bool]:
     return (props.major, props.minor), props.multi_processor_count, torch.version.hip is not None
 
 
-def unavailable_reason(device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
-    """None if the Triton kernels can run on ``device`` (and ``dtype``, if given), else why not, in
-    words fit for an error message."""
+def unavailable_reason(device: torch.device | str, dtype: torch.dtype | None = None,
+                       kind: str = "products") -> str | None:
+    """None if the Triton kernels (``kind``: "products", or the fused "elementwise" stages) can
+    run on ``device`` (and ``dtype``, if given), else why not, in words fit for an error message.
+    On a CUDA GPU this includes their first-use check (self_check.py: compiled and compared with
+    fp64 once per process, device, kind and dtype; products only once a dtype is given)."""
     device = torch.device(device)
     if dtype is not None and dtype not in KERNEL_DTYPES:
         return f"the kernels take float16, bfloat16 and float32 operands, not {dtype}"
@@ -94,18 +97,24 @@ def unavailable_reason(device: torch.device | str, dtype: torch.dtype | None = N
         return "the kernels' tiles are chosen for NVIDIA GPUs; ROCm is not supported (use the torch backend)"
     if capability < MIN_CAPABILITY:
         return f"the kernels need compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer, got {capability[0]}.{capability[1]}"
-    return None
+    if kind == "products" and dtype is None:
+        return None
+    from . import self_check
+
+    return self_check.failure(kind, device, dtype)
 
 
-def available(device: torch.device | str = "cuda", dtype: torch.dtype | None = None) -> bool:
+def available(device: torch.device | str = "cuda", dtype: torch.dtype | None = None, kind: str = "products") -> bool:
     """True if ``backend="triton"`` can run on ``device``: Triton imports and the device is a CUDA
-    GPU of compute capability 8.0+, or the CPU with ``TRITON_INTERPRET=1``."""
-    return unavailable_reason(device, dtype) is None
+    GPU of compute capability 8.0+ where the kernels passed their first-use check, or the CPU with
+    ``TRITON_INTERPRET=1``."""
+    return unavailable_reason(device, dtype, kind) is None
 
 
-def resolve(backend: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
-    """``"triton"`` or ``"torch"`` for one call (on operands of ``dtype``, where the call's kind
-    limits it); raises if ``"triton"`` was asked for and cannot run."""
+def resolve(backend: str, device: torch.device | str, dtype: torch.dtype | None = None,
+            kind: str = "products") -> str:
+    """``"triton"`` or ``"torch"`` for one call of the ``kind`` kernels (on operands of ``dtype``,
+    where the call's kind limits it); raises if ``"triton"`` was asked for and cannot run."""
     check_backend(backend)
     device = torch.device(device)
     if backend == "torch":
@@ -113,8 +122,8 @@ def resolve(backend: str, device: torch.device | str, dtype: torch.dtype | None 
     if backend == "auto":
         if device.type != "cuda" or (dtype is not None and dtype not in KERNEL_DTYPES):
             return "torch"
-        return "triton" if unavailable_reason(device, dtype) is None else "torch"
-    reason = unavailable_reason(device, dtype)
+        return "triton" if unavailable_reason(device, dtype, kind) is None else "torch"
+    reason = unavailable_reason(device, dtype, kind)
     if reason is not None:
         raise RuntimeError(f"backend='triton' cannot run on {device}: {reason}. Use backend='torch' or 'auto'.")
     return "triton"

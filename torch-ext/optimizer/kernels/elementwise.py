@@ -33,7 +33,7 @@ def resolve(backend: str, device: torch.device | str) -> str:
     """``"triton"`` or ``"torch"`` for the stages of a piece on ``device``: the dispatcher's rule
     (backend.resolve; the stages' dtypes are checked by :func:`takes`); raises a RuntimeError with
     the reason if ``"triton"`` was asked for and cannot run."""
-    return resolve_backend(backend, device)
+    return resolve_backend(backend, device, kind="elementwise")
 
 
 def takes(*dtypes: torch.dtype) -> bool:
