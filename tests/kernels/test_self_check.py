@@ -180,3 +180,24 @@ def test_a_failure_is_checked_once_and_warned_once(monkeypatch):
         assert len(runs) == 1
     finally:
         self_check._cached_failure.cache_clear()
+
+
+def test_adding_a_group_on_a_gpu_runs_the_check_for_each_forms_dtype_and_a_step_does_not(pretend_gpu):
+    """Muon checks a group's parameters when the group is added (``adding=True``): on a GPU with
+    ``"auto"`` that runs the first-use check in the classic form's bf16 and the Gram form's fp16,
+    and for the elementwise stages; a step's own check leaves "auto" alone (nothing to refuse)."""
+    from types import SimpleNamespace
+
+    from optimizer.checks import kernels_param_problem
+
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))  # what local_view(param).device reads
+    auto, triton = {"use_muon": True, "ns_kernels": "auto"}, {"use_muon": True, "ns_kernels": "triton"}
+    assert kernels_param_problem("w", on_gpu, auto, None) is None
+    assert pretend_gpu["asked"] == []
+    assert kernels_param_problem("w", on_gpu, auto, None, adding=True) is None
+    assert set(pretend_gpu["asked"]) == {("products", torch.bfloat16), ("products", torch.float16), ("elementwise", None)}
+    pretend_gpu["reason"] = "RuntimeError: out of resource: shared memory"
+    assert kernels_param_problem("w", on_gpu, auto, None, adding=True) is None
+    problem = kernels_param_problem("layers.0.wq", on_gpu, triton, None)
+    assert problem.startswith("Muon: parameter 'layers.0.wq'") and "shared memory" in problem, problem
+    assert kernels_param_problem("w", on_gpu, {"use_muon": False, "ns_kernels": "triton"}, None) is None

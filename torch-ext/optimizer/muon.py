@@ -114,7 +114,7 @@ class Muon(Optimizer):
         names = [e.name for e in entries_of(self.param_groups) if e.group == index]
         check_group_params(group, names)
         for name, p in zip(names, group["params"]):
-            problem = kernels_param_problem(name, p, group, self.settings.compute_dtype)
+            problem = kernels_param_problem(name, p, group, self.settings.compute_dtype, adding=True)
             if problem:
                 raise ValueError(f"{problem} (param_groups[{index}] ns_kernels)")
         if group["use_muon"] and group.get(ROW_BLOCKS_KEY) is not None:
