@@ -273,3 +273,23 @@ def test_triton_where_it_cannot_run_and_a_bad_value_are_refused():
         split_zeropower_via_newtonschulz(G, [10], None, compute_dtype=torch.float64, kernels="triton")
     with pytest.raises(ValueError, match="ns_kernels must be one of"):
         split_zeropower_via_newtonschulz(G, [10], None, kernels="cuda")
+
+
+def test_auto_where_the_kernels_run_keeps_cublas_for_the_general_products(monkeypatch):
+    """``"auto"`` on a device where the kernels run (CUDA; simulated here by resolving the option
+    to the kernels on the CPU) runs the symmetric products on them and ``a X_i + B X_i`` on torch
+    (cuBLAS on a GPU), as ``kernels.matmul_add``'s "auto" does; ``"triton"`` runs both on the
+    kernels. One member (no group), the classic form: 2 symmetric and 1 general product a step."""
+    from optimizer.parallel import split_products
+    from optimizer.parallel.split_newton_schulz import split_zeropower_via_newtonschulz
+
+    monkeypatch.setattr(split_products, "resolve_kernels", lambda mode, device, dtype: "torch" if mode == "torch" else "triton")
+    G = torch.randn(12, 40, generator=torch.Generator().manual_seed(3))
+    launches = {}
+    for mode in ("auto", "triton", "torch"):
+        with counting_launches() as counts:
+            split_zeropower_via_newtonschulz(G, [40], None, STEPS, compute_dtype=F32, method="classic", kernels=mode)
+        launches[mode] = dict(counts)
+    assert launches == {"auto": {"symmetric": 2 * STEPS, "general": 0},
+                        "triton": {"symmetric": 2 * STEPS, "general": STEPS},
+                        "torch": {"symmetric": 0, "general": 0}}

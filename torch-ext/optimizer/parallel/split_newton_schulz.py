@@ -98,9 +98,23 @@ Numerics (measured; tests/test_split_newton_schulz.py asserts them with margin):
   fp32 partial Gram matrices (``torch.mm(..., out_dtype=torch.float32)`` on CUDA) in an fp32
   all-reduce would remove most of that, for 2x the all-reduce bytes; not done.
 
+Products (``kernels``, the ``ns_kernels`` option; :mod:`.split_products`): resolved once per call
+as the unsplit call resolves it (on the device and the compute dtype), the same on every member.
+On torch's matmuls (``"torch"``, and ``"auto"`` off CUDA) this is the code of earlier releases,
+bit for bit. On the Triton kernels (``"auto"`` on supported CUDA GPUs, ``"triton"``) every product
+known to be symmetric computes one triangle: ``X_i X_i^T`` (the first one accumulated in fp32
+and written straight into the wide all-reduce buffer: in 16 bits one rounding fewer than torch's
+path, the same bytes), ``b A + c A^2`` replicated, the redundant Gram recursion; ``a X_i + B X_i``,
+``Q X_i`` and the row blocks of the rows-split products (not symmetric) run on
+``kernels.matmul_add``, which is cuBLAS under ``"auto"``. Per member and classic step that is
+``f (s^2 w + s^3) + s^2 w`` multiply-adds instead of ``2 s^2 w + s^3`` (B replicated; f ~ 0.5 the
+share of tiles computed, docs/kernels.md), the same share as the unsplit call on its m x m
+products.
+
 Every replicated quantity (A, B, Q) is the output of one collective or of the same kernels on
-identical inputs, hence bitwise identical on every rank of the group (asserted), which keeps the
-blocks consistent.
+identical inputs (torch's, or the Triton kernels', which use fixed tiles and no atomics), hence
+bitwise identical on every rank of the group (asserted for both), which keeps the blocks
+consistent.
 
 No host synchronisation (no ``.item()``), no process-group creation: the caller passes a group
 created once, elsewhere. Every member must call with the same shapes and arguments (``widths`` is
