@@ -9,13 +9,17 @@ imports Triton) against the torch path.
 * Parallel layouts (FSDP, FSDP+TP ``_StridedShard``, HSDP with the replica split, expert
   sharding, ``ns_split``, NorMuon): parallel Muon on the kernels equals single-device Muon on the
   kernels to float32 rounding (the tolerance of ``test_parallel_muon.py``), the owners running the
-  same kernels on the same assembled matrices.
+  same kernels on the same assembled matrices. With ``ns_split`` the matrices cut over ranks run
+  their products on the kernels too: every cut call on every rank launches them (counted inside
+  the calls); no other run cuts anything. (tests/parallel/test_split_ns_kernels.py checks the cut
+  iteration on the kernels itself.)
 * The option itself: refused where it cannot run before anything changes, agreed across ranks,
   optional in checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -122,11 +126,51 @@ def _kw(extra, kernels):
     return kw
 
 
+@contextlib.contextmanager
+def launches_in_cut_units():
+    """In this process: the kernel launches made inside each call of the cut iteration (the
+    ``ns_split`` units, ``rule.split_zeropower_via_newtonschulz``), one count per call."""
+    from optimizer import rule
+    from optimizer.kernels import matmul_add_kernel, symmetric_kernel
+
+    per_call: list[int] = []
+    inside = [False]
+    patched = [(rule, "split_zeropower_via_newtonschulz"), (symmetric_kernel, "symmetric_matmul_triton"),
+               (matmul_add_kernel, "matmul_add_triton")]
+    saved = [getattr(*where) for where in patched]
+    split, symmetric, general = saved
+
+    def launching(fn):
+        def wrapped(*args, **kwargs):
+            if inside[0]:
+                per_call[-1] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    def cut(*args, **kwargs):
+        per_call.append(0)
+        inside[0] = True
+        try:
+            return split(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    for (module, name), fn in zip(patched, (cut, launching(symmetric), launching(general))):
+        setattr(module, name, fn)
+    try:
+        yield per_call
+    finally:
+        for (module, name), fn in zip(patched, saved):
+            setattr(module, name, fn)
+
+
 def _run(rank, world_size, runs):
     out = []
     for name, extra in runs:
         mesh_shape, specs = CASES[name]
-        out.append(run_distributed(rank, world_size, mesh_shape, specs, STEPS, True, **_kw(extra, "triton")))
+        with launches_in_cut_units() as cut_calls:
+            result = run_distributed(rank, world_size, mesh_shape, specs, STEPS, True, **_kw(extra, "triton"))
+        out.append((result, cut_calls))
     return out
 
 
@@ -137,9 +181,15 @@ def test_parallel_muon_on_the_kernels_equals_single_device(world_size):
     for i, (name, extra) in enumerate(runs):
         want = run_reference(CASES[name][1], STEPS, True, **_kw(extra, "triton"))
         for rank_result in results:
+            got, cut_calls = rank_result[i]
             for pname, ref in want.items():
-                torch.testing.assert_close(rank_result[i][pname], ref, atol=ATOL, rtol=RTOL,
+                torch.testing.assert_close(got[pname], ref, atol=ATOL, rtol=RTOL,
                                            msg=lambda m: f"{name} {extra} {pname}: {m}")
+            if "ns_split" in extra.get("muon_group", {}):
+                # every matrix cut over ranks ran its products on the kernels, on every rank
+                assert len(cut_calls) >= STEPS and min(cut_calls) > 0, (name, cut_calls)
+            else:
+                assert cut_calls == [], (name, cut_calls)
 
 
 def _world(shape):

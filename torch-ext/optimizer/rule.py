@@ -290,7 +290,8 @@ class NewtonSchulz:
         group-rank order) spread over ``group`` (``x`` short side first; collective)."""
         return split_zeropower_via_newtonschulz(x, widths, group, ns_steps=self.ns_steps,
                                                 coefficients=self.coefficients, eps=self.eps,
-                                                compute_dtype=self.compute_dtype, method=self.method)
+                                                compute_dtype=self.compute_dtype, method=self.method,
+                                                kernels=self.kernels)
 
 
 def block_lr_factor(rows_per_block: int, full_shape: Sequence[int], mode: str | None) -> float:

@@ -98,9 +98,23 @@ Numerics (measured; tests/test_split_newton_schulz.py asserts them with margin):
   fp32 partial Gram matrices (``torch.mm(..., out_dtype=torch.float32)`` on CUDA) in an fp32
   all-reduce would remove most of that, for 2x the all-reduce bytes; not done.
 
+Products (``kernels``, the ``ns_kernels`` option; :mod:`.split_products`): resolved once per call
+as the unsplit call resolves it (on the device and the compute dtype), the same on every member.
+On torch's matmuls (``"torch"``, and ``"auto"`` off CUDA) this is the code of earlier releases,
+bit for bit. On the Triton kernels (``"auto"`` on supported CUDA GPUs, ``"triton"``) every product
+known to be symmetric computes one triangle: ``X_i X_i^T`` (the first one accumulated in fp32
+and written straight into the wide all-reduce buffer: in 16 bits one rounding fewer than torch's
+path, the same bytes), ``b A + c A^2`` replicated, the redundant Gram recursion; ``a X_i + B X_i``,
+``Q X_i`` and the row blocks of the rows-split products (not symmetric) run on
+``kernels.matmul_add``, which is cuBLAS under ``"auto"``. Per member and classic step that is
+``f (s^2 w + s^3) + s^2 w`` multiply-adds instead of ``2 s^2 w + s^3`` (B replicated; f ~ 0.5 the
+share of tiles computed, docs/kernels.md), the same share as the unsplit call on its m x m
+products.
+
 Every replicated quantity (A, B, Q) is the output of one collective or of the same kernels on
-identical inputs, hence bitwise identical on every rank of the group (asserted), which keeps the
-blocks consistent.
+identical inputs (torch's, or the Triton kernels', which use fixed tiles and no atomics), hence
+bitwise identical on every rank of the group (asserted for both), which keeps the blocks
+consistent.
 
 No host synchronisation (no ``.item()``), no process-group creation: the caller passes a group
 created once, elsewhere. Every member must call with the same shapes and arguments (``widths`` is
@@ -125,8 +139,6 @@ from torch import Tensor
 from ..newton_schulz import (
     NS_NORM_SAFETY,
     CoefficientSpec,
-    _gram_segment_factor,
-    _symmetric_product,
     _uses_symmetric_blocks,
     check_ns_method,
     choose_ns_form,
@@ -134,6 +146,7 @@ from ..newton_schulz import (
     ns_io_dtype,
     resolve_ns_coefficients,
 )
+from ..ns_kernels import check_ns_kernels
 from .split_cost import (
     B_SPLITS,
     CPU_GLOO,
@@ -153,6 +166,7 @@ from .split_cost import (
     split_ns_cost,
     wide_dtype,
 )
+from .split_products import cut_products
 
 __all__ = [
     "B_SPLITS",
@@ -203,6 +217,7 @@ def split_zeropower_via_newtonschulz(
     b_split: str = "auto",
     recursion: str = "auto",
     hardware: SplitHardware | None = None,
+    kernels: str = "auto",
 ) -> Tensor:
     """This rank's column block of ``zeropower_via_newtonschulz(G, ...)``, G split over ``group``.
 
@@ -215,18 +230,20 @@ def split_zeropower_via_newtonschulz(
     ``b_split``: how B = b A + c A^2 is computed in classic steps ("replicated", "rows" or "auto":
     :func:`choose_b_split` with ``hardware``, default :func:`hardware_for` the device);
     ``recursion``: how a Gram segment's m x m recursion runs ("redundant", "rows" or "auto":
-    :func:`choose_recursion`, per segment). Returns the block in the compute dtype. Collective:
-    every member calls it with the same arguments.
+    :func:`choose_recursion`, per segment); ``kernels``: what runs the products, as for the unsplit
+    call (``optimizer.ns_kernels``: "auto", "torch" or "triton"; :func:`.split_products.cut_products`).
+    Returns the block in the compute dtype. Collective: every member calls it with the same arguments.
     """
     return _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm_safety, method,
-                     b_split, hardware, None, recursion)
+                     b_split, hardware, None, recursion, kernels)
 
 
 def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm_safety, method, b_split,
-              hardware, record, recursion="auto"):
+              hardware, record, recursion="auto", kernels="auto"):
     """The implementation; ``record`` (tests): a list that receives every replicated matrix."""
     k, rank, widths, steps, norm_safety = _checked_call(X, widths, group, ns_steps, coefficients,
                                                          norm_safety, method, b_split)
+    check_ns_kernels(kernels)
     check_recursion(recursion)
     m, ni = X.shape[-2], X.shape[-1]
     full = (*X.shape[:-1], sum(widths))
@@ -243,7 +260,8 @@ def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm
             for length in plan]
 
     Xb = X.to(io).reshape(-1, m, ni)
-    symmetric = _uses_symmetric_blocks(Xb)
+    # torch's matmuls or the kernels, as the unsplit call resolves ns_kernels (one object per call)
+    products = cut_products(kernels, X.device, dtype, _uses_symmetric_blocks(Xb))
     # Two or more matrices: two halves, interleaved, so that one half's collectives run while the
     # other half computes (every member runs the same schedule, so the group sees one order).
     halves = [Xb] if Xb.shape[0] < 2 or k == 1 else list(torch.tensor_split(Xb, 2))
@@ -251,8 +269,8 @@ def _split_ns(X, widths, group, ns_steps, coefficients, eps, compute_dtype, norm
     def iteration(half):
         if half.shape[0] == 1:  # 2-D kernels for a single matrix, as the unsplit code
             half = half[0]
-        half, A = yield from _normalise_first_gram(half, X.dtype, dtype, norm_safety, eps, symmetric, k, group)
-        return (yield from _iterate(half, A, steps, plan, rows, ways, symmetric, k, rank, group, record))
+        half, A = yield from _normalise_first_gram(half, X.dtype, dtype, norm_safety, eps, products, k, group)
+        return (yield from _iterate(half, A, steps, plan, rows, ways, products, k, rank, group, record))
 
     outs = _interleaved([iteration(h) for h in halves])
     out = outs[0] if len(outs) == 1 else torch.cat([o.reshape(-1, m, ni) for o in outs])
@@ -311,20 +329,19 @@ def _checked_call(X, widths, group, ns_steps, coefficients, norm_safety, method,
     return k, rank, widths, steps, norm_safety
 
 
-def _iterate(Xb, A, steps, plan, rows, ways, symmetric, k, rank, group, record):
+def _iterate(Xb, A, steps, plan, rows, ways, products, k, rank, group, record):
     """The segments of ``plan`` on this rank's normalised block ``Xb``, ``A`` being its first Gram
     matrix (already summed over the group): one all-reduce of the next Gram matrix per segment
     after the first; a one-step segment is a classic step (B replicated, or by ``rows`` and
     an all-gather), a longer one runs the m x m recursion (``ways``: "redundant" or "rows", per
-    segment) and applies its factor Q.  A generator (:func:`_interleaved`): it yields each
-    collective's work before it needs the result, and returns the block."""
-    addmm = torch.addmm if Xb.ndim == 2 else torch.baddbmm
-    mm = torch.mm if Xb.ndim == 2 else torch.bmm
+    segment) and applies its factor Q; every product on ``products`` (split_products.py).  A
+    generator (:func:`_interleaved`): it yields each collective's work before it needs the
+    result, and returns the block."""
     first = 0
     for length, way in zip(plan, ways):
         segment, first = steps[first : first + length], first + length
         if A is None:
-            A = _symmetric_product(Xb, Xb.mT, blocks=symmetric)
+            A = products.gram(Xb)
             if k > 1:
                 yield dist.all_reduce(A, group=group, async_op=True)
         if record is not None:
@@ -332,25 +349,25 @@ def _iterate(Xb, A, steps, plan, rows, ways, symmetric, k, rank, group, record):
         if length == 1:
             a, b, c = segment[0]
             if rows:
-                B = yield from _b_rows(A, b, c, k, rank, group)
+                B = yield from _b_rows(A, b, c, products, k, rank, group)
             else:
-                B = _symmetric_product(A, A, A, beta=b, alpha=c, blocks=symmetric)
+                B = products.b_of(A, b, c)
             if record is not None:
                 record.append(B)
-            Xb = addmm(Xb, B, Xb, beta=a)  # a X_i + B X_i
+            Xb = products.general(B, Xb, Xb, beta=a)  # a X_i + B X_i
         else:
             if k > 1 and way == "rows":
-                Q = yield from _gram_factor_rows(A, segment, k, rank, group, record)
+                Q = yield from _gram_factor_rows(A, segment, products, k, rank, group, record)
             else:
-                Q = _gram_segment_factor(A, segment, symmetric)
+                Q = products.segment_factor(A, segment)
             if record is not None:
                 record.append(Q)
-            Xb = mm(Q, Xb)
+            Xb = products.general(Q, Xb)
         A = None
     return Xb
 
 
-def _normalise_first_gram(Xb, input_dtype, dtype, norm_safety, eps, symmetric, k, group):
+def _normalise_first_gram(Xb, input_dtype, dtype, norm_safety, eps, products, k, group):
     """The block divided by the whole matrix's norm (times ``norm_safety``, at least ``eps``) and
     the first Gram matrix, from one all-reduce of ``[G_i G_i^T, ||G_i||^2]`` in the wide dtype
     (a generator, as :func:`_iterate`).
@@ -358,7 +375,10 @@ def _normalise_first_gram(Xb, input_dtype, dtype, norm_safety, eps, symmetric, k
     ``Xb`` is the block as read (``ns_io_dtype``: the compute dtype, or bf16 for fp16). In fp16 the
     unscaled block's Gram matrix could pass 65504, so its own norm scales it into [-1, 1] first
     and scales the fp16 product back in the wide dtype: ``||G_i||^2 (Y_i Y_i^T)``, Y_i = G_i / ||G_i||
-    (another rounding path than the unsplit product of the normalised matrix, as bf16's is)."""
+    (another rounding path than the unsplit product of the normalised matrix, as bf16's is).
+    ``products.gram_into`` writes the block's Gram matrix into the wide buffer: torch's path
+    rounds it to the compute dtype first, the kernels' round their fp32 accumulation once, to the
+    wide dtype (split_products.py)."""
     wide = wide_dtype(dtype, input_dtype)
     lead, m = Xb.shape[:-2], Xb.shape[-2]
     count = math.prod(lead)
@@ -370,11 +390,10 @@ def _normalise_first_gram(Xb, input_dtype, dtype, norm_safety, eps, symmetric, k
     if dtype == torch.float16:
         local = norm.clamp_min(torch.finfo(wide).tiny)
         Y = torch.div(Xb, local, out=torch.empty(Xb.shape, dtype=dtype, device=Xb.device))
-        torch.mul(_symmetric_product(Y, Y.mT, blocks=symmetric), squares, out=gram)
-    elif dtype == wide:
-        _symmetric_product(Xb, Xb.mT, blocks=symmetric, out=gram)
+        # ||G_i||^2 (Y_i Y_i^T): the fp16 product widened exactly, then one wide multiplication
+        products.gram_into(Y, gram).mul_(squares)
     else:
-        gram.copy_(_symmetric_product(Xb, Xb.mT, blocks=symmetric))
+        products.gram_into(Xb, gram)
     if k > 1:
         yield dist.all_reduce(buf, group=group, async_op=True)
     scale = (squares.sqrt() * norm_safety).clamp_min(eps)
@@ -383,26 +402,26 @@ def _normalise_first_gram(Xb, input_dtype, dtype, norm_safety, eps, symmetric, k
     return X, A
 
 
-def _b_rows(A: Tensor, b: float, c: float, k: int, rank: int, group):
-    """B = b A + c A^2 with each member computing its rows, then one all-gather (a generator)."""
+def _b_rows(A: Tensor, b: float, c: float, products, k: int, rank: int, group):
+    """B = b A + c A^2 with each member computing its rows, then one all-gather (a generator).
+    A block of rows is not symmetric: ``products.general``."""
     start, stop, p = row_block(A.shape[-1], k, rank)
-    addmm = torch.addmm if A.ndim == 2 else torch.baddbmm
     mine = A[..., start:stop, :]
-    return (yield from _gather_rows(addmm(mine, mine, A, beta=b, alpha=c), k, p, group))
+    return (yield from _gather_rows(products.general(mine, A, mine, alpha=c, beta=b), k, p, group))
 
 
-def _gram_factor_rows(A: Tensor, segment, k: int, rank: int, group, record):
+def _gram_factor_rows(A: Tensor, segment, products, k: int, rank: int, group, record):
     """Q of one Gram segment (:func:`~optimizer.newton_schulz._gram_segment_factor`'s products)
     with each member computing its rows of every product, and 2L all-gathers (module docstring;
     a generator). ``A`` is the segment's Gram matrix, whole and the same on every member; so is
-    what returns."""
+    what returns. Row blocks are not symmetric: every product is ``products.general``."""
     m = A.shape[-1]
     start, stop, p = row_block(m, k, rank)
-    addmm = torch.addmm if A.ndim == 2 else torch.baddbmm
+    general = products.general
     Q = None
     for j, (a, b, c) in enumerate(segment):
         mine = A[..., start:stop, :]
-        B_rows = addmm(mine, mine, A, beta=b, alpha=c)  # b A + c A A
+        B_rows = general(mine, A, mine, alpha=c, beta=b)  # b A + c A A
         B = yield from _gather_rows(B_rows, k, p, group)
         if record is not None:
             record.append(B)
@@ -410,11 +429,11 @@ def _gram_factor_rows(A: Tensor, segment, k: int, rank: int, group, record):
             Q = B_rows.clone()
             Q[..., :, start:stop].diagonal(dim1=-2, dim2=-1).add_(a)
         else:
-            Q = addmm(Q, Q, B, beta=a)  # Q q(A) = a Q + Q B
+            Q = general(Q, B, Q, beta=a)  # Q q(A) = a Q + Q B
         if j + 1 < len(segment):
-            AQ_rows = addmm(mine, mine, B, beta=a)  # A q(A) = a A + A B
+            AQ_rows = general(mine, B, mine, beta=a)  # A q(A) = a A + A B
             # the next A = q(A) A q(A) = a AQ + B AQ, by columns: AQ's columns are its rows transposed
-            columns = addmm(AQ_rows.mT, B, AQ_rows.mT, beta=a)
+            columns = general(B, AQ_rows.mT, AQ_rows.mT, beta=a)
             A = yield from _gather_rows(columns.mT, k, p, group)  # symmetric: its rows are these columns transposed
             if record is not None:
                 record.append(A)
