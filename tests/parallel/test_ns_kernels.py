@@ -241,3 +241,37 @@ def test_the_option_is_optional_in_checkpoints_and_survives_pickling():
     opt = Muon([w], lr=0.1, ns_kernels="torch")
     assert opt.state_dict()["param_groups"][0]["ns_kernels"] == "torch"
     assert pickle.loads(pickle.dumps(opt)).param_groups[0]["ns_kernels"] == "torch"
+
+
+@pytest.mark.parametrize("method", ["classic", "gram"])
+def test_auto_where_the_kernels_run_keeps_cublas_for_the_general_products(monkeypatch, kernel_launches, method):
+    """``"auto"`` where the kernels run (a CUDA GPU; pretended here, tests/pretend_gpu.py): the
+    symmetric products on the kernels from two tile rows up (130 rows: three 64-row fp32 tiles),
+    ``a X + B X`` and ``Q X`` on torch (cuBLAS on a GPU: nothing symmetric to save, and its
+    epilogue fuses ``a X``), a matrix of one tile row (40) all on torch; ``"triton"`` runs every
+    product on the kernels. What docs/kernels.md and the GPU predictions assume."""
+    from pretend_gpu import pretend_auto_takes_the_kernels
+
+    from optimizer.newton_schulz import (choose_ns_form, gram_restart_plan, resolve_ns_coefficients,
+                                         zeropower_via_newtonschulz)
+
+    pretend_auto_takes_the_kernels(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    large, small = torch.randn(130, 200, generator=gen), torch.randn(40, 100, generator=gen)
+    steps = resolve_ns_coefficients("fixed", 5)
+    form, dtype = choose_ns_form(large.shape, 5, method, torch.float32, steps)
+    plan = gram_restart_plan(steps, 5, dtype) if form == "gram" else (1,) * 5
+    # per segment of L steps: classic (L = 1) X X^T, b A + c A^2 and a X + B X; Gram: X X^T, the
+    # recursion's 4L - 3 symmetric products, Q X
+    symmetric = sum(2 if n == 1 else 1 + 4 * n - 3 for n in plan)
+    general = len(plan)
+    seen = {}
+    for name, G in (("large", large), ("small", small)):
+        for mode in ("auto", "triton"):
+            before = dict(kernel_launches)
+            zeropower_via_newtonschulz(G, 5, compute_dtype=torch.float32, method=method, kernels=mode)
+            seen[name, mode] = {k: kernel_launches[k] - before[k] for k in before}
+    assert seen == {("large", "auto"): {"symmetric": symmetric, "general": 0},
+                    ("large", "triton"): {"symmetric": symmetric, "general": general},
+                    ("small", "auto"): {"symmetric": 0, "general": 0},
+                    ("small", "triton"): {"symmetric": symmetric, "general": general}}

@@ -276,20 +276,28 @@ def test_triton_where_it_cannot_run_and_a_bad_value_are_refused():
 
 
 def test_auto_where_the_kernels_run_keeps_cublas_for_the_general_products(monkeypatch):
-    """``"auto"`` on a device where the kernels run (CUDA; simulated here by resolving the option
-    to the kernels on the CPU) runs the symmetric products on them and ``a X_i + B X_i`` on torch
-    (cuBLAS on a GPU), as ``kernels.matmul_add``'s "auto" does; ``"triton"`` runs both on the
-    kernels. One member (no group), the classic form: 2 symmetric and 1 general product a step."""
-    from optimizer.parallel import split_products
+    """``"auto"`` where the kernels run (a CUDA GPU; pretended here, tests/pretend_gpu.py) gives
+    the cut call the products the unsplit call gets: symmetric ones on the kernels from two tile
+    rows up (130 rows: three 64-row fp32 tiles; 40 rows: one, so cuBLAS) and ``a X_i + B X_i`` on
+    torch (cuBLAS on a GPU); ``"triton"`` runs every product on the kernels. One member (no
+    group), the classic form: 2 symmetric and 1 general product a step."""
+    from pretend_gpu import pretend_auto_takes_the_kernels
+
     from optimizer.parallel.split_newton_schulz import split_zeropower_via_newtonschulz
 
-    monkeypatch.setattr(split_products, "resolve_kernels", lambda mode, device, dtype: "torch" if mode == "torch" else "triton")
-    G = torch.randn(12, 40, generator=torch.Generator().manual_seed(3))
+    pretend_auto_takes_the_kernels(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    large, small = torch.randn(130, 200, generator=gen), torch.randn(40, 100, generator=gen)
     launches = {}
-    for mode in ("auto", "triton", "torch"):
-        with counting_launches() as counts:
-            split_zeropower_via_newtonschulz(G, [40], None, STEPS, compute_dtype=F32, method="classic", kernels=mode)
-        launches[mode] = dict(counts)
-    assert launches == {"auto": {"symmetric": 2 * STEPS, "general": 0},
-                        "triton": {"symmetric": 2 * STEPS, "general": STEPS},
-                        "torch": {"symmetric": 0, "general": 0}}
+    for name, G in (("large", large), ("small", small)):
+        for mode in ("auto", "triton", "torch"):
+            with counting_launches() as counts:
+                split_zeropower_via_newtonschulz(G, [G.shape[1]], None, STEPS, compute_dtype=F32, method="classic",
+                                                 kernels=mode)
+            launches[name, mode] = dict(counts)
+    assert launches == {("large", "auto"): {"symmetric": 2 * STEPS, "general": 0},
+                        ("large", "triton"): {"symmetric": 2 * STEPS, "general": STEPS},
+                        ("large", "torch"): {"symmetric": 0, "general": 0},
+                        ("small", "auto"): {"symmetric": 0, "general": 0},
+                        ("small", "triton"): {"symmetric": 2 * STEPS, "general": STEPS},
+                        ("small", "torch"): {"symmetric": 0, "general": 0}}

@@ -544,24 +544,35 @@ def zeropower_via_newtonschulz(
     if G.numel() == 0:
         return torch.zeros(shape, dtype=ns_io_dtype(G.dtype, dtype), device=G.device)
     plan = gram_restart_plan(steps, ns_steps, dtype) if form == "gram" else None
-    return _zeropower(G, steps, dtype, plan, norm_safety, eps, resolve_kernels(kernels, G.device, dtype))
+    return _zeropower(G, steps, dtype, plan, norm_safety, eps, kernel_backend(kernels, G.device, dtype))
+
+
+def kernel_backend(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend Newton–Schulz's products get for ``ns_kernels=kernels`` on ``device`` in
+    ``dtype``: ``"torch"`` where the option resolves to torch (``"triton"`` where it cannot run
+    raises); else the option itself. ``"auto"`` on the kernels is the products' own ``"auto"``:
+    symmetric products on the kernels from two tile rows up (below, nothing to skip: cuBLAS) and
+    ``a X + B X``, ``Q X`` on cuBLAS (nothing symmetric; its epilogue fuses ``a X``); ``"triton"``
+    runs every product on the kernels (what the tests force under the interpreter)."""
+    return "torch" if resolve_kernels(kernels, device, dtype) == "torch" else kernels
 
 
 def _zeropower(G: Tensor, steps: Sequence[Coefficients], dtype: torch.dtype, plan: Sequence[int] | None,
                norm_safety: float, eps: float, kernels: str = "torch") -> Tensor:
     """The iteration on G in ``dtype``: the Gram form with restart ``plan``, or the classic form
-    (``plan`` None), its products on torch's matmuls or (``kernels="triton"``) on the Triton kernels.
+    (``plan`` None), its products on torch's matmuls (``kernels="torch"``) or on the kernels'
+    products with that backend (``"auto"``, ``"triton"``: :func:`kernel_backend`).
     Also what benchmarks/ns_efficiency.py --restart-study runs other plans with."""
     shape = G.shape
     X = _normalised(G, dtype, norm_safety, eps)  # [batch, s, l], s <= l
     single = X.shape[0] == 1
     if single:  # 2-D kernels (mm/addmm) for the common unbatched case
         X = X[0]
-    if kernels == "triton":
+    if kernels != "torch":
         from .kernels import newton_schulz as on_kernels
 
-        X = (on_kernels.classic_iterations(X, steps, backend="triton") if plan is None
-             else on_kernels.gram_iterations(X, steps, plan, backend="triton"))
+        X = (on_kernels.classic_iterations(X, steps, backend=kernels) if plan is None
+             else on_kernels.gram_iterations(X, steps, plan, backend=kernels))
     else:
         X = _classic_iterations(X, steps) if plan is None else _gram_iterations(X, steps, plan)
     if single:

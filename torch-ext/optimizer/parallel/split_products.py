@@ -14,10 +14,11 @@ Both objects have the same five methods, so the cut iteration has one code path:
 
 :class:`TorchProducts` is the code path of earlier releases, bit for bit (on the CPU with the
 symmetric-block shortcut of ``newton_schulz._symmetric_product``). :class:`KernelProducts` runs
-every product known to be symmetric on one triangle (``kernels.syrk``/``symmetric_matmul``,
-``kernels.newton_schulz.gram_segment_factor``) and the general products on ``kernels.matmul_add``
-with the backend the option implies: ``"triton"`` forced runs the Triton kernel for them too,
-``"auto"`` leaves them on cuBLAS (``matmul_add``'s ``"auto"``: nothing symmetric to save, and
+every product on the kernels' functions with the backend the unsplit call gives its products
+(``newton_schulz.kernel_backend``): ``"triton"`` forced runs every product on the Triton kernels;
+``"auto"`` runs the products known to be symmetric on one triangle (``kernels.syrk``/
+``symmetric_matmul``, ``kernels.newton_schulz.gram_segment_factor``) where they span two tile
+rows, and the general ones on cuBLAS (``matmul_add``'s ``"auto"``: nothing symmetric to save, and
 cuBLAS fuses the ``a X`` term already; docs/kernels.md). Its first Gram matrix is accumulated in
 fp32 and written straight into the wide all-reduce buffer (``out_dtype``), where torch's path
 rounds the product to the compute dtype first and copies it (bf16, fp16): one rounding fewer,
@@ -44,9 +45,8 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels import newton_schulz as kernel_ns
-from ..newton_schulz import _gram_segment_factor, _symmetric_product
+from ..newton_schulz import _gram_segment_factor, _symmetric_product, kernel_backend
 from ..ns_kernels import check_ns_kernels
-from ..ns_kernels import resolve as resolve_kernels
 
 Coefficients = tuple[float, float, float]
 
@@ -84,29 +84,30 @@ class TorchProducts:
 
 @dataclass(frozen=True)
 class KernelProducts:
-    """The Triton kernels: symmetric products on one triangle (``"triton"``), the general ones on
-    ``matmul_add`` with ``general_backend`` (``"auto"``: cuBLAS; ``"triton"``: the kernel)."""
+    """The kernels' products with ``backend``: ``"triton"`` (every product on the Triton kernels)
+    or ``"auto"`` (symmetric products on one triangle from two tile rows up, general ones on
+    cuBLAS), as the unsplit call runs them."""
 
-    general_backend: str
+    backend: str
 
     kind = "triton"
 
     def gram_into(self, X: Tensor, out: Tensor) -> Tensor:
         # fp32 accumulation rounded once, to out's (wide) dtype
-        return kernels.syrk(X, out=out, backend="triton")
+        return kernels.syrk(X, out=out, backend=self.backend)
 
     def gram(self, X: Tensor) -> Tensor:
-        return kernels.syrk(X, backend="triton")
+        return kernels.syrk(X, backend=self.backend)
 
     def b_of(self, A: Tensor, b: float, c: float) -> Tensor:
-        return kernels.symmetric_matmul(A, A, A, alpha=c, beta=b, backend="triton")
+        return kernels.symmetric_matmul(A, A, A, alpha=c, beta=b, backend=self.backend)
 
     def general(self, L: Tensor, R: Tensor, C: Tensor | None = None, *, alpha: float = 1.0,
                 beta: float = 0.0) -> Tensor:
-        return kernels.matmul_add(L, R, C, alpha=alpha, beta=beta, backend=self.general_backend)
+        return kernels.matmul_add(L, R, C, alpha=alpha, beta=beta, backend=self.backend)
 
     def segment_factor(self, A: Tensor, segment: Sequence[Coefficients]) -> Tensor:
-        return kernel_ns.gram_segment_factor(A, segment, backend="triton")
+        return kernel_ns.gram_segment_factor(A, segment, backend=self.backend)
 
 
 def cut_products(mode: str, device: torch.device, compute_dtype: torch.dtype,
@@ -115,6 +116,5 @@ def cut_products(mode: str, device: torch.device, compute_dtype: torch.dtype,
     ``ns_kernels.resolve`` gives the unsplit call on ``device`` in ``compute_dtype`` ("auto": the
     kernels on supported CUDA GPUs only; "triton" where they cannot run: its RuntimeError).
     ``blocks``: the torch path's symmetric-block shortcut (CPU)."""
-    if resolve_kernels(check_ns_kernels(mode), device, compute_dtype) == "torch":
-        return TorchProducts(blocks)
-    return KernelProducts(general_backend="triton" if mode == "triton" else "auto")
+    backend = kernel_backend(check_ns_kernels(mode), device, compute_dtype)
+    return TorchProducts(blocks) if backend == "torch" else KernelProducts(backend)
