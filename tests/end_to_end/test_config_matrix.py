@@ -138,17 +138,22 @@ def test_config_under_torchrun_matches_single_device(launch, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-        returncode, log = proc.returncode, f"torchrun exited {proc.returncode}\n" + (proc.stdout + proc.stderr)[-8000:]
+        returncode, stdout = proc.returncode, proc.stdout
+        log = f"torchrun exited {proc.returncode}\n" + (proc.stdout + proc.stderr)[-8000:]
     except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        returncode, log = None, f"the launch timed out after {LAUNCH_TIMEOUT_S}s (hang?)\n{out[-6000:]}"
+        stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        returncode, log = None, f"the launch timed out after {LAUNCH_TIMEOUT_S}s (hang?)\n{stdout[-6000:]}"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     failures = []
+    stopped_in = next((case_id for case_id in launch if case_id not in results), None)
     for case_id in launch:
-        if case_id not in results:
-            failures.append(f"{case_id}: not finished (the launch stopped in it or before it)")
+        if case_id == stopped_in:
+            failures.append(f"{case_id}: not finished: the launch stopped in it (the log below says why)")
+        elif case_id not in results:
+            failures.append(f"{case_id}: not run: the launch stopped in {stopped_in}")
         elif results[case_id] != 0:
-            failures.append(f"{case_id}: train.py's main returned {results[case_id]}")
+            failures.append(f"{case_id}: train.py's main returned {results[case_id]}; its output ends:\n"
+                            + _case_output(stdout, case_id)[-3000:])
         else:
             try:
                 summary = json.loads(summaries[case_id].read_text())
@@ -160,6 +165,14 @@ def test_config_under_torchrun_matches_single_device(launch, tmp_path):
                 failures.append(f"{case_id}: {type(e).__name__}: {e}")
     assert not failures, "failed case(s) of this launch:\n" + "\n".join(failures) + f"\n\n{log}"
     assert returncode == 0, log
+
+
+def _case_output(stdout: str, case_id: str) -> str:
+    """What a launch printed for one case: the lines after the previous case's closing line
+    (examples/train_cases.py's "== case NAME: exit status N") up to its own."""
+    end = stdout.find(f"== case {case_id}: exit status")
+    start = stdout.rfind("== case ", 0, max(end, 0))
+    return stdout[(stdout.find("\n", start) + 1) if start >= 0 else 0:end if end >= 0 else None]
 
 
 def _check_summary(summary, world_size, qk, steps):
