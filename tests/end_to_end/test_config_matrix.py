@@ -76,8 +76,12 @@ def test_attention_variant_configs_are_in_the_matrix():
 # names its case. One case alone: CONFIG_MATRIX_CASES=fsdp_tp-qk_on (comma-separated case ids) makes
 # the launches of those cases only.
 LAUNCH_MAX_CASES = 5
-# A case takes 15-80 s on 2 loaded cores; the launch's start-up 20-40 s.
-LAUNCH_TIMEOUT_S = CASE_TIMEOUT_S + 150 * (LAUNCH_MAX_CASES - 1)
+
+
+def _launch_timeout_s(n_cases: int) -> int:
+    """A hang's bound: a launch's first case as a launch of its own was given, and 150 s for each
+    further case (a case takes 15-80 s on 2 loaded cores, the launch's start-up 20-40 s)."""
+    return CASE_TIMEOUT_S + 150 * (n_cases - 1)
 
 
 def _all_cases() -> dict[str, tuple[str, list[str]]]:
@@ -122,8 +126,8 @@ def test_launches_hold_every_case_once_each_of_one_world_size():
 
 
 @pytest.mark.torchrun
-@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
-@pytest.mark.parametrize("launch", [pytest.param(ids, id="+".join(ids)) for ids in _launches(_selected_cases())])
+@pytest.mark.parametrize("launch", [pytest.param(ids, id="+".join(ids), marks=pytest.mark.timeout(_launch_timeout_s(len(ids)) + 60))
+                                    for ids in _launches(_selected_cases())])
 def test_config_under_torchrun_matches_single_device(launch, tmp_path):
     cases = _all_cases()
     world_size = config_world_size(cases[launch[0]][0])
@@ -136,13 +140,14 @@ def test_config_under_torchrun_matches_single_device(launch, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
            os.path.join(ROOT, "examples", "train_cases.py"), str(cases_path), str(results_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    timeout = _launch_timeout_s(len(launch))
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         returncode, stdout = proc.returncode, proc.stdout
         log = f"torchrun exited {proc.returncode}\n" + (proc.stdout + proc.stderr)[-8000:]
     except subprocess.TimeoutExpired as e:
         stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        returncode, log = None, f"the launch timed out after {LAUNCH_TIMEOUT_S}s (hang?)\n{stdout[-6000:]}"
+        returncode, log = None, f"the launch timed out after {timeout}s (hang?)\n{stdout[-6000:]}"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     failures = []
     stopped_in = next((case_id for case_id in launch if case_id not in results), None)
