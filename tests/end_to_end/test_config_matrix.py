@@ -13,8 +13,8 @@ the arguments a user would give it, trains a few steps on synthetic data and che
 that every parameter matches the single-device Muon run fed the same gradients and qk_logits, and
 that the loss fell.  The summary JSON is checked here too, so a silently skipped check cannot
 pass.  Cases of one world size share a torchrun launch (``examples/train_cases.py``; see "the
-torchrun launches" below); ``scripts/gpu_check.sh`` (``test_gpu_check_script.py``) and the main
-job's test launch the scripts themselves.
+torchrun launches" below); the NorMuon + cautious-WD case launches ``examples/train.py`` itself,
+so its own process-group start, teardown and exit stay under test.
 
     CONFIG_MATRIX_CASES=fsdp_tp-qk_on pytest tests/end_to_end/test_config_matrix.py -m torchrun   # one case
 """
@@ -54,10 +54,6 @@ TORCHRUN_CASES = [pytest.param(c, qk, id=f"{_config_id(c)}-{'qk_on' if qk else '
 VARIANTS = dict(normuon_beta2=0.95, cautious_wd=True)
 VARIANT_WEIGHT_DECAY = 0.1
 VARIANT_FLAGS = ["--normuon-beta2", "0.95", "--cautious-wd", "--weight-decay", str(VARIANT_WEIGHT_DECAY)]
-# One NorMuon + cautious-WD case under torchrun (FSDP over TP: v's rows interleaved by
-# _StridedShard, the row-wise weights sharded on their last dim); the forked fast path below runs
-# every config with them.
-VARIANT_CASE = "fsdp_tp-normuon_cautious_wd"
 
 
 def test_attention_variant_configs_are_in_the_matrix():
@@ -85,11 +81,8 @@ def _launch_timeout_s(n_cases: int) -> int:
 
 
 def _all_cases() -> dict[str, tuple[str, list[str]]]:
-    """Every torchrun case: id -> (config, train.py's flags besides the config's), in the matrix's
-    order (the configs' QK-clip on/off cases, then the variants' case)."""
-    cases = {c.id: (c.values[0], [] if c.values[1] else ["--no-qk-clip"]) for c in TORCHRUN_CASES}
-    cases[VARIANT_CASE] = (os.path.join(ROOT, "configs", "fsdp_tp.toml"), VARIANT_FLAGS)
-    return cases
+    """Every torchrun case of the matrix: id -> (config, train.py's flags besides the config's)."""
+    return {c.id: (c.values[0], [] if c.values[1] else ["--no-qk-clip"]) for c in TORCHRUN_CASES}
 
 
 def _selected_cases() -> dict[str, tuple[str, list[str]]]:
@@ -163,9 +156,6 @@ def test_config_under_torchrun_matches_single_device(launch, tmp_path):
             try:
                 summary = json.loads(summaries[case_id].read_text())
                 _check_summary(summary, world_size, "--no-qk-clip" not in cases[case_id][1], MATRIX_STEPS)
-                if case_id == VARIANT_CASE:
-                    assert summary["muon_options"] == VARIANTS, summary
-                    assert summary["weight_decay"] == VARIANT_WEIGHT_DECAY, summary
             except (AssertionError, OSError, ValueError) as e:
                 failures.append(f"{case_id}: {type(e).__name__}: {e}")
     assert not failures, "failed case(s) of this launch:\n" + "\n".join(failures) + f"\n\n{log}"
@@ -189,6 +179,25 @@ def _check_summary(summary, world_size, qk, steps):
     assert summary["passed"], summary
     if qk and summary["config"] in QK_ON_ONLY:  # the threshold is low enough that heads are clipped
         assert sum(summary["heads_clipped"]) > 0, summary
+
+
+@pytest.mark.torchrun
+def test_normuon_under_torchrun_matches_single_device(tmp_path):
+    """One NorMuon + cautious-WD case as a user launches it, `torchrun examples/train.py` itself (FSDP
+    over TP: v's rows interleaved by _StridedShard, the row-wise weights sharded on their last dim);
+    the forked fast path below runs every config. The one matrix case launched through train.py's
+    own start and end (its process group, its exit), which the shared launches above do not run."""
+    config = os.path.join(ROOT, "configs", "fsdp_tp.toml")
+    summary_path = tmp_path / "summary.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={config_world_size(config)}",
+           os.path.join(ROOT, "examples", "train.py"), "--config", config, "--check", "--summary-out",
+           str(summary_path), "--steps", str(MATRIX_STEPS), *VARIANT_FLAGS]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
+    summary = json.loads(summary_path.read_text())
+    _check_summary(summary, config_world_size(config), True, MATRIX_STEPS)
+    assert summary["muon_options"] == VARIANTS and summary["weight_decay"] == VARIANT_WEIGHT_DECAY
 
 
 def _train_forked(rank, world_size, config, qk, muon_options=None):
