@@ -550,7 +550,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if launched:
+    # A launcher that runs several cases in one launch (examples/train_cases.py) made the group
+    # already: the case runs in it and leaves it for the next.
+    owns_group = launched and not dist.is_initialized()
+    if owns_group:
         if args.device == "cuda":
             dist.init_process_group("nccl", timeout=timedelta(minutes=5), device_id=device)
         else:
@@ -586,7 +589,7 @@ def main(argv=None) -> int:
             # still works in them can abort that peer ("terminate called ...").
             dist.barrier()
     finally:
-        if launched:
+        if owns_group:
             dist.destroy_process_group()
     return 1 if (args.check and problems) else 0
 

@@ -8,11 +8,15 @@ as issue 12 asks: the off case adds no code path the on case skips (it only drop
 row scaling), and each torchrun case costs ~15-30 s of CI.  The forked fast path runs
 them both ways.
 
-Each case launches ``examples/train.py`` with the config's world size, as a
-user would, trains a few steps on synthetic data and checks (``--check``) that
-every parameter matches the single-device Muon run fed the same gradients and
-qk_logits, and that the loss fell.  The summary JSON is checked here too, so a
-silently skipped check cannot pass.
+Each case runs ``examples/train.py``'s ``main`` with the config's world size under torchrun, with
+the arguments a user would give it, trains a few steps on synthetic data and checks (``--check``)
+that every parameter matches the single-device Muon run fed the same gradients and qk_logits, and
+that the loss fell.  The summary JSON is checked here too, so a silently skipped check cannot
+pass.  Cases of one world size share a torchrun launch (``examples/train_cases.py``; see "the
+torchrun launches" below); the NorMuon + cautious-WD case launches ``examples/train.py`` itself,
+so its own process-group start, teardown and exit stay under test.
+
+    CONFIG_MATRIX_CASES=fsdp_tp-qk_on pytest tests/end_to_end/test_config_matrix.py -m torchrun   # one case
 """
 
 from __future__ import annotations
@@ -46,34 +50,124 @@ QK_ON_ONLY = {"fused_qkv", "mla"}
 TORCHRUN_CASES = [pytest.param(c, qk, id=f"{_config_id(c)}-{'qk_on' if qk else 'qk_off'}")
                   for c in CONFIGS for qk in (True, False) if qk or _config_id(c) not in QK_ON_ONLY]
 
+# NorMuon and cautious weight decay (with weight decay on: the configs train without).
+VARIANTS = dict(normuon_beta2=0.95, cautious_wd=True)
+VARIANT_WEIGHT_DECAY = 0.1
+VARIANT_FLAGS = ["--normuon-beta2", "0.95", "--cautious-wd", "--weight-decay", str(VARIANT_WEIGHT_DECAY)]
+
 
 def test_attention_variant_configs_are_in_the_matrix():
     assert QK_ON_ONLY <= {_config_id(c) for c in CONFIGS}
     assert {c.id for c in TORCHRUN_CASES} >= {"fused_qkv-qk_on", "mla-qk_on"}
 
 
+# ------------------------------------------------------------------ the torchrun launches
+#
+# A launch's start-up (every rank importing torch and DTensor: ~9 s of a CPU core per rank) costs
+# more than a case's training, so the cases of one world size share launches of at most
+# LAUNCH_MAX_CASES cases (examples/train_cases.py runs each through train.py's own main(argv), in
+# order, in the launch's one process group; its summary is the same to the bit as a launch of its
+# own). The test is parametrized by launch: one test item per launch, so pytest-xdist runs each
+# launch once, anywhere, and `-p no:xdist` runs them in turn. Every case's checks run and a failure
+# names its case. One case alone: CONFIG_MATRIX_CASES=fsdp_tp-qk_on (comma-separated case ids) makes
+# the launches of those cases only.
+LAUNCH_MAX_CASES = 5
+
+
+def _launch_timeout_s(n_cases: int) -> int:
+    """A hang's bound: a launch's first case as a launch of its own was given, and 150 s for each
+    further case (a case takes 15-80 s on 2 loaded cores, the launch's start-up 20-40 s)."""
+    return CASE_TIMEOUT_S + 150 * (n_cases - 1)
+
+
+def _all_cases() -> dict[str, tuple[str, list[str]]]:
+    """Every torchrun case of the matrix: id -> (config, train.py's flags besides the config's)."""
+    return {c.id: (c.values[0], [] if c.values[1] else ["--no-qk-clip"]) for c in TORCHRUN_CASES}
+
+
+def _selected_cases() -> dict[str, tuple[str, list[str]]]:
+    cases = _all_cases()
+    chosen = [c.strip() for c in os.environ.get("CONFIG_MATRIX_CASES", "").split(",") if c.strip()]
+    unknown = [c for c in chosen if c not in cases]
+    if unknown:
+        raise pytest.UsageError(f"CONFIG_MATRIX_CASES: unknown case(s) {unknown}; the cases are {sorted(cases)}")
+    return {c: v for c, v in cases.items() if c in chosen} if chosen else cases
+
+
+def _launches(cases: dict[str, tuple[str, list[str]]]) -> list[list[str]]:
+    """The cases of each world size in as few launches of at most LAUNCH_MAX_CASES as there can be,
+    as even as they can be (case ids, in the matrix's order within a launch)."""
+    by_world: dict[int, list[str]] = {}
+    for case_id, (config, _) in cases.items():
+        by_world.setdefault(config_world_size(config), []).append(case_id)
+    launches = []
+    for ids in by_world.values():
+        n = -(-len(ids) // LAUNCH_MAX_CASES)
+        launches += [ids[i::n] for i in range(n)]
+    return launches
+
+
+def test_launches_hold_every_case_once_each_of_one_world_size():
+    cases = _all_cases()
+    worlds = {case_id: config_world_size(config) for case_id, (config, _) in cases.items()}
+    launches = _launches(cases)
+    assert sorted(c for launch in launches for c in launch) == sorted(cases)
+    assert all(0 < len(launch) <= LAUNCH_MAX_CASES for launch in launches)
+    assert all(len({worlds[c] for c in launch}) == 1 for launch in launches)
+    per_world = [list(worlds.values()).count(w) for w in set(worlds.values())]
+    assert len(launches) == sum(-(-n // LAUNCH_MAX_CASES) for n in per_world)  # as few as there can be
+
+
 @pytest.mark.torchrun
-@pytest.mark.parametrize("config, qk", TORCHRUN_CASES)
-def test_config_under_torchrun_matches_single_device(config, qk, tmp_path):
-    world_size = config_world_size(config)
-    summary_path = tmp_path / "summary.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-        os.path.join(ROOT, "examples", "train.py"), "--config", config, "--check",
-        "--summary-out", str(summary_path), "--steps", str(MATRIX_STEPS),
-    ]
-    if not qk:
-        cmd.append("--no-qk-clip")
+@pytest.mark.parametrize("launch", [pytest.param(ids, id="+".join(ids), marks=pytest.mark.timeout(_launch_timeout_s(len(ids)) + 60))
+                                    for ids in _launches(_selected_cases())])
+def test_config_under_torchrun_matches_single_device(launch, tmp_path):
+    cases = _all_cases()
+    world_size = config_world_size(cases[launch[0]][0])
+    summaries = {case_id: tmp_path / f"{case_id}.json" for case_id in launch}
+    # each case's train.py arguments, as a user would type them after `torchrun ... examples/train.py`
+    argvs = {case_id: ["--config", cases[case_id][0], "--check", "--summary-out", str(summaries[case_id]),
+                       "--steps", str(MATRIX_STEPS), *cases[case_id][1]] for case_id in launch}
+    cases_path, results_path = tmp_path / "cases.json", tmp_path / "results.json"
+    cases_path.write_text(json.dumps(argvs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+           os.path.join(ROOT, "examples", "train_cases.py"), str(cases_path), str(results_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    timeout = _launch_timeout_s(len(launch))
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        returncode, stdout = proc.returncode, proc.stdout
+        log = f"torchrun exited {proc.returncode}\n" + (proc.stdout + proc.stderr)[-8000:]
     except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"")[-6000:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-6000:]
-        pytest.fail(f"{_config_id(config)} timed out after {CASE_TIMEOUT_S}s (hang?)\n{out}")
-    log = (proc.stdout + proc.stderr)[-8000:]
-    assert proc.returncode == 0, f"torchrun exited {proc.returncode}\n{log}"
-    summary = json.loads(summary_path.read_text())
-    _check_summary(summary, world_size, qk, MATRIX_STEPS)
+        stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        returncode, log = None, f"the launch timed out after {timeout}s (hang?)\n{stdout[-6000:]}"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    failures = []
+    stopped_in = next((case_id for case_id in launch if case_id not in results), None)
+    for case_id in launch:
+        if case_id == stopped_in:
+            failures.append(f"{case_id}: not finished: the launch stopped in it (the log below says why)")
+        elif case_id not in results:
+            failures.append(f"{case_id}: not run: the launch stopped in {stopped_in}")
+        elif results[case_id] != 0:
+            failures.append(f"{case_id}: train.py's main returned {results[case_id]}; its output ends:\n"
+                            + _case_output(stdout, case_id)[-3000:])
+        else:
+            try:
+                summary = json.loads(summaries[case_id].read_text())
+                _check_summary(summary, world_size, "--no-qk-clip" not in cases[case_id][1], MATRIX_STEPS)
+            except (AssertionError, OSError, ValueError) as e:
+                failures.append(f"{case_id}: {type(e).__name__}: {e}")
+    assert not failures, "failed case(s) of this launch:\n" + "\n".join(failures) + f"\n\n{log}"
+    assert returncode == 0, log
+
+
+def _case_output(stdout: str, case_id: str) -> str:
+    """What a launch printed for one case: the lines after the previous case's closing line
+    (examples/train_cases.py's "== case NAME: exit status N") up to its own."""
+    end = stdout.find(f"== case {case_id}: exit status")
+    start = stdout.rfind("== case ", 0, max(end, 0))
+    return stdout[(stdout.find("\n", start) + 1) if start >= 0 else 0:end if end >= 0 else None]
 
 
 def _check_summary(summary, world_size, qk, steps):
@@ -87,17 +181,12 @@ def _check_summary(summary, world_size, qk, steps):
         assert sum(summary["heads_clipped"]) > 0, summary
 
 
-# NorMuon and cautious weight decay (with weight decay on: the configs train without it).
-VARIANTS = dict(normuon_beta2=0.95, cautious_wd=True)
-VARIANT_WEIGHT_DECAY = 0.1
-VARIANT_FLAGS = ["--normuon-beta2", "0.95", "--cautious-wd", "--weight-decay", str(VARIANT_WEIGHT_DECAY)]
-
-
 @pytest.mark.torchrun
 def test_normuon_under_torchrun_matches_single_device(tmp_path):
-    """One NorMuon + cautious-WD case as a user launches it (FSDP over TP: v's rows interleaved
-    by _StridedShard, the row-wise weights sharded on their last dim); the forked fast path
-    below runs every config."""
+    """One NorMuon + cautious-WD case as a user launches it, `torchrun examples/train.py` itself (FSDP
+    over TP: v's rows interleaved by _StridedShard, the row-wise weights sharded on their last dim);
+    the forked fast path below runs every config. The one matrix case launched through train.py's
+    own start and end (its process group, its exit), which the shared launches above do not run."""
     config = os.path.join(ROOT, "configs", "fsdp_tp.toml")
     summary_path = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={config_world_size(config)}",
