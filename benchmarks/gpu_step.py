@@ -413,10 +413,29 @@ def hardware(device: torch.device) -> dict:
         hw["triton"] = None
     if device.type == "cuda":
         hw["gpu"] = torch.cuda.get_device_name(device)
+        hw["kernels_check"] = kernels_check(device)
     else:
         hw["cpu"] = platform.processor() or platform.machine()
         hw["threads"] = torch.get_num_threads()
     return hw
+
+
+def kernels_check(device: torch.device) -> dict | str:
+    """The kernels' first-use check on this GPU (optimizer/kernels/self_check.py), per kind and
+    dtype: "passed" or why not. Where it fails, our "auto" rows ran torch, not the kernels."""
+    try:
+        from optimizer import kernels
+    except ImportError:
+        return "no optimizer.kernels in this build"
+    out = {}
+    for kind, dtype in (("products", torch.bfloat16), ("products", torch.float16), ("products", torch.float32),
+                        ("elementwise", None)):
+        try:
+            reason = kernels.unavailable_reason(device, dtype, kind=kind)
+        except TypeError:  # a build before the check existed
+            return "no first-use check in this build"
+        out[f"{kind} {str(dtype).removeprefix('torch.') if dtype else ''}".strip()] = reason or "passed"
+    return out
 
 
 def main(argv=None) -> dict:

@@ -288,3 +288,16 @@ def test_gpu_step_runs_on_cpu_tiny(tmp_path):
         for name, run in row["runs"].items():
             assert "error" not in run, (row["model"], name, run)
             assert run["ms"] > 0 and run["state_gib"] > 0 and run["host_syncs"] is None  # counted on CUDA only
+
+
+def test_gpu_step_reports_the_kernels_first_use_check():
+    """gpu_step.py's header reports the kernels' first-use check on the GPU it ran on, per kind and
+    dtype (where it failed, "auto" rows ran torch). Here on CPU under the interpreter (no check
+    runs there; the kernels are available): every entry reads "passed"; without the interpreter
+    every entry gives the reason."""
+    pytest.importorskip("triton")
+    gpu_step = load_benchmark("gpu_step")
+    report = gpu_step.kernels_check(torch.device("cpu"))
+    assert report == {"products bfloat16": "passed", "products float16": "passed", "products float32": "passed",
+                      "elementwise": "passed"}
+    assert all(reason != "passed" for reason in gpu_step.kernels_check(torch.device("meta")).values())
