@@ -102,7 +102,8 @@ Products (``kernels``, the ``ns_kernels`` option; :mod:`.split_products`): resol
 as the unsplit call resolves it (on the device and the compute dtype), the same on every member.
 On torch's matmuls (``"torch"``, and ``"auto"`` off CUDA) this is the code of earlier releases,
 bit for bit. On the Triton kernels (``"auto"`` on supported CUDA GPUs, ``"triton"``) every product
-known to be symmetric computes one triangle: ``X_i X_i^T`` (the first one accumulated in fp32
+known to be symmetric computes one triangle (under ``"auto"``, from two tile rows up, as the unsplit
+call: ``newton_schulz.kernel_backend``): ``X_i X_i^T`` (the first one accumulated in fp32
 and written straight into the wide all-reduce buffer: in 16 bits one rounding fewer than torch's
 path, the same bytes), ``b A + c A^2`` replicated, the redundant Gram recursion; ``a X_i + B X_i``,
 ``Q X_i`` and the row blocks of the rows-split products (not symmetric) run on
