@@ -39,7 +39,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from .tiles import CUDA_CANDIDATES, Tiles
+from .tiles import CUDA_CANDIDATES, INTERPRETER_TILES, Tiles, for_capability
 
 KINDS = ("products", "elementwise")
 
@@ -76,18 +76,11 @@ def _cached_failure(kind: str, index: int, dtype: torch.dtype | None) -> str | N
 def candidates(dtype: torch.dtype | None, capability: tuple[int, int] | None) -> list[Tiles]:
     """Every tile configuration :func:`~.tiles.choose_tiles` can pick for ``dtype`` on a GPU of
     ``capability`` (None: the interpreter, whose one tile the rule picks there)."""
-    from dataclasses import replace
-
-    from .tiles import INTERPRETER_TILES
-
     if capability is None:
         return [INTERPRETER_TILES]
     if dtype == torch.float32:
         return [CUDA_CANDIDATES["fp32"]]
-    tiles = [CUDA_CANDIDATES["large16"], CUDA_CANDIDATES["small16"]]
-    if capability < (9, 0):
-        tiles = [replace(t, num_stages=min(t.num_stages, 3)) for t in tiles]
-    return tiles
+    return [for_capability(CUDA_CANDIDATES[name], capability) for name in ("large16", "small16")]
 
 
 def check(kind: str, device: torch.device, dtype: torch.dtype | None, tiles: list[Tiles]) -> str | None:

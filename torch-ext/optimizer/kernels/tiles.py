@@ -86,10 +86,13 @@ def choose_tiles(
         count = batch * rows * (rows + 1) // 2
     else:
         count = batch * -(-m // large.block_m) * -(-n // large.block_n)
-    tiles = large if count >= sm_count else CUDA_CANDIDATES["small16"]
-    if capability < (9, 0):
-        tiles = replace(tiles, num_stages=min(tiles.num_stages, 3))
-    return tiles
+    return for_capability(large if count >= sm_count else CUDA_CANDIDATES["small16"], capability)
+
+
+def for_capability(tiles: Tiles, capability: tuple[int, int]) -> Tiles:
+    """A 16-bit candidate as it runs on a GPU of ``capability``: at most 3 pipeline stages before
+    sm90 (A100's 164 KiB of shared memory)."""
+    return replace(tiles, num_stages=min(tiles.num_stages, 3)) if capability < (9, 0) else tiles
 
 
 def tile_rows(m: int, tiles: Tiles) -> int:
