@@ -105,9 +105,9 @@ def step(weight: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, *, fr
     M = store(M + G)
     V = None if row_state is None else row_state.double().clone()
     m, n = W.shape[-2:]
-    lead = W.shape[:-2]
-    Wf, Mf = W.reshape(-1, m, n), M.reshape(-1, m, n)
-    Vf = None if V is None else V.reshape(-1, m, 1)
+    batch = math.prod(W.shape[:-2])  # matrices in the stack (1 for a matrix; 0 for no experts)
+    Wf, Mf = W.reshape(batch, m, n), M.reshape(batch, m, n)
+    Vf = None if V is None else V.reshape(batch, m, 1)
     D = torch.zeros_like(Wf)
     dim = selection_dim(W.shape, rows_only)
     s = m if dim == ROWS else n
