@@ -123,7 +123,8 @@ def test_unchosen_weights_change_only_by_weight_decay(name, adjust_lr):
     W, G, M = _inputs(shape, seed=3)
     r = ref.step(W, G, M, fraction=0.25, ef_decay=EF, lr=LR, weight_decay=WD, adjust_lr=adjust_lr)
     m, n = shape[-2:]
-    adjusted = {"spectral_norm": LR * math.sqrt(m / n), "rms_norm": LR * 0.2 * math.sqrt(max(m, n)), None: LR}[adjust_lr]
+    adjusted = {"spectral_norm": LR * math.sqrt(m / n), "rms_norm": LR * 0.2 * math.sqrt(max(m, n)),
+                None: LR}[adjust_lr]
     for b, (new, old, acc) in enumerate(zip(_matrices(r.weight), _matrices(W), _matrices(M + G))):
         new, old, acc = _slices(new, r.dim), _slices(old, r.dim), _slices(acc, r.dim)
         chosen = r.chosen[b]
