@@ -93,6 +93,8 @@ def options_table(settings=None) -> str:
                 meaning += f" (torch-style input defaults to {_code(o.torch_default)})"
             if o.optional:
                 meaning += " (a group holds it only when it is not at its default)"
+            if o.kept_on_load:
+                meaning += " (`load_state_dict` keeps the loading optimizer's value: how this machine runs or stores)"
         elif keyword in fields:
             where, meaning = "global (`opt.settings`)", fields[keyword].metadata["declared"].doc
         elif keyword in alias_docs:

@@ -188,7 +188,9 @@ def rank_independent_repr(value: Any) -> str:
     if isinstance(value, Mapping):
         return "{" + ", ".join(f"{k!r}: {rank_independent_repr(v)}" for k, v in value.items()) + "}"
     if torch.is_tensor(value):
-        return repr(value.item()) if value.device.type == "cpu" else "<device tensor>"
+        if value.device.type != "cpu":
+            return "<device tensor>"
+        return repr(value.item()) if value.numel() == 1 else f"<tensor of shape {tuple(value.shape)}>"
     if callable(value) and not isinstance(value, type) and not dataclasses.is_dataclass(value):
         name = getattr(value, "__qualname__", type(value).__qualname__)
         return f"<callable {getattr(value, '__module__', '?')}.{name}>"
@@ -290,6 +292,10 @@ class GroupOption:
     # torch.distributed.checkpoint (which loads the keys the loading optimizer's groups have, and
     # refuses a checkpoint without one) still loads checkpoints from before it.
     optional: bool = False
+    # How this machine runs or stores the step, not what the run trains (``momentum_dtype``,
+    # ``ns_kernels``): ``load_state_dict`` keeps the loading optimizer's value, whatever the
+    # checkpoint says (a run resumed on another machine runs as that machine is set up to).
+    kept_on_load: bool = False
 
     @property
     def ctor_keyword(self) -> str:
@@ -315,8 +321,8 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
                 "Nesterov input, weight decay with the update, docs/kernels.md): 'auto' the Triton kernels (one "
                 "triangle of every symmetric product, fused epilogues, one pass per elementwise stage) on CUDA GPUs "
                 "they support and torch elsewhere, 'torch' torch's matmuls and elementwise ops, 'triton' the kernels "
-                "(on CPU only under TRITON_INTERPRET=1); a matrix cut by ns_split runs its products on torch's",
-                _ns_kernels, plan=True, optional=True),
+                "(on CPU only under TRITON_INTERPRET=1); a matrix cut by ns_split runs its products on the same choice",
+                _ns_kernels, plan=True, optional=True, kept_on_load=True),
     GroupOption("eps", (MUON,), 1e-7, "Newton–Schulz normalisation epsilon: X / max(||X||_F, eps), in fp32 "
                 "(torch.optim.Muon's eps)", _positive),
     GroupOption("ns_split", (MUON,), "auto",
@@ -350,7 +356,7 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
     GroupOption("momentum_dtype", (MUON,), None,
                 "dtype of the Muon momentum buffer (None: the parameter's; torch.bfloat16 halves its "
                 "memory); the arithmetic is in the wider of it and the parameter's dtype",
-                _momentum_dtype, plan=True, normalize=dtype_of, optional=True),
+                _momentum_dtype, plan=True, normalize=dtype_of, optional=True, kept_on_load=True),
 )
 
 
@@ -505,11 +511,18 @@ def _is_default(o: GroupOption, value: Any) -> bool:
     return value is o.default or (type(value) is type(o.default) and value == o.default)
 
 
-def check_group(group: Mapping, where: str) -> None:
-    """Every option of a (filled) group that applies to its kind; ``where`` names the group."""
+def check_group(group: Mapping, where: str, plan: bool = True) -> None:
+    """Every option of a (filled) group that applies to its kind, and that every option a group
+    always holds is there; ``where`` names the group.  ``plan=False``: only the options the step
+    plan does not depend on (a cached plan was built with the others, unchanged: :func:`plan_key`)."""
     for o in options_of(kind_of(group)):
+        if not plan and o.plan:
+            continue
         if o.name in group:
             o.check(group[o.name], f"{where} {o.name}", group)
+        elif o.constructor and not o.optional:
+            raise ValueError(f"Muon: {where} has no `{o.name}`, which every {kind_of(group)} group holds; set it "
+                             f"(the constructor's default is {o.default!r})")
 
 
 def record(settings: MuonSettings, param_groups: Sequence[Mapping]) -> dict[str, str]:

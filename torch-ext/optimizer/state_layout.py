@@ -42,9 +42,11 @@ group held would make every older checkpoint unloadable through DCP.  The price:
 loading optimizer decides which of them are read, so build it with the options of the run that
 saved (a plain ``load_state_dict`` restores them from the checkpoint, like ``lr``).
 
-``momentum_dtype`` is how this optimizer stores its momentum: the loading optimizer keeps its own
-(:data:`STORAGE_GROUP_OPTIONS`), and a buffer saved in another dtype is converted (with a logged
-note).  torch's loader would cast every floating state tensor to its parameter's dtype;
+``momentum_dtype`` (how this optimizer stores its momentum) and ``ns_kernels`` (what runs
+Newton–Schulz here) are choices of the machine, not of the run: the loading optimizer keeps its own
+(:data:`KEPT_GROUP_OPTIONS`, ``GroupOption.kept_on_load``), so a checkpoint saved with
+``ns_kernels="triton"`` resumes on a machine built with ``"torch"``, and a buffer saved in another
+dtype is converted (with a logged note).  torch's loader would cast every floating state tensor to its parameter's dtype;
 ``momentum_buffer`` and ``normuon_v`` are kept out of that cast (:func:`split_kept_state`), so a
 bf16 buffer stays bf16 and fp32 ``v`` of a bf16 parameter stays fp32.
 
@@ -69,7 +71,7 @@ from .qk_clip import QKClipConfig, config_from_record, config_record
 from .matrix_view import TRANSPOSED_KEY, row_state_layout, transposed_for
 from .rule import momentum_dtype, normuon_on, row_state_dtype, work_dtype
 from .row_blocks import ROW_BLOCKS_KEY, from_checkpoint, row_blocks_for_checkpoint, row_blocks_mismatch
-from .settings import check_group, normalize_group, resolve_adjust_lr_fn
+from .settings import GROUP_OPTIONS, check_group, normalize_group, resolve_adjust_lr_fn
 from .tensors import is_dtensor
 
 logger = logging.getLogger("optimizer.muon")
@@ -82,8 +84,8 @@ MOMENTUM_KEY, ROW_STATE_KEY = "momentum_buffer", "normuon_v"
 MUON_STATE_KEYS = frozenset({MOMENTUM_KEY})
 NORMUON_STATE_KEYS = frozenset({MOMENTUM_KEY, ROW_STATE_KEY})
 ADAMW_STATE_KEYS_SET = frozenset(ADAMW_STATE_KEYS)
-# How this optimizer stores its state: on load, the loading optimizer keeps its own value.
-STORAGE_GROUP_OPTIONS = ("momentum_dtype",)
+# How this machine runs and stores the step: on load, the loading optimizer keeps its own value.
+KEPT_GROUP_OPTIONS = tuple(dict.fromkeys(o.name for o in GROUP_OPTIONS if o.kept_on_load))
 # State whose dtype is the optimizer's choice, not the parameter's: kept out of torch's cast on load.
 KEPT_DTYPE_STATE = (MOMENTUM_KEY, ROW_STATE_KEY)
 
@@ -304,7 +306,7 @@ def load(opt: torch.optim.Optimizer, state_dict: Any, torch_load) -> QKClipConfi
     this optimizer's choice (:func:`restore_kept_state`), and torch's post-hooks last.
     State entries of no parameter are kept, as torch keeps them.  The checkpoint's row blocks were
     checked equal to the optimizer's, which keeps its specs as they were written, and so does its
-    storage (:data:`STORAGE_GROUP_OPTIONS`).  Returns the QK-clip config the checkpoint describes
+    machine's choices (:data:`KEPT_GROUP_OPTIONS`).  Returns the QK-clip config the checkpoint describes
     (a custom ``classify`` is kept from the optimizer's)."""
     live_qk_clip = opt.settings.qk_clip
     state_dict = upgrade(run_load_pre_hooks(opt, state_dict), opt.param_groups, live_qk_clip)
@@ -313,12 +315,12 @@ def load(opt: torch.optim.Optimizer, state_dict: Any, torch_load) -> QKClipConfi
         check_group(group, f"checkpoint param_groups[{i}]")
     qk_clip = qk_clip_from_groups(state_dict["param_groups"], live_qk_clip)
     row_blocks = [g.get(ROW_BLOCKS_KEY) for g in opt.param_groups]
-    storage = [{k: g[k] for k in STORAGE_GROUP_OPTIONS if k in g} for g in opt.param_groups]
+    kept_options = [{k: g[k] for k in KEPT_GROUP_OPTIONS if k in g} for g in opt.param_groups]
     rest, kept = split_kept_state(state_dict, opt)
     with load_hooks_run_here(opt):
         torch_load({**state_dict, "state": rest})
-    for group, blocks, own in zip(opt.param_groups, row_blocks, storage):
-        for k in STORAGE_GROUP_OPTIONS:
+    for group, blocks, own in zip(opt.param_groups, row_blocks, kept_options):
+        for k in KEPT_GROUP_OPTIONS:
             group.pop(k, None)
         group.update(own)
         normalize_group(group)
