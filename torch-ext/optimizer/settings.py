@@ -511,6 +511,12 @@ def _is_default(o: GroupOption, value: Any) -> bool:
     return value is o.default or (type(value) is type(o.default) and value == o.default)
 
 
+def held_options(kind: str) -> tuple[str, ...]:
+    """The options every group of ``kind`` holds (filled in when it is added): the constructor's,
+    except the optional ones (:attr:`GroupOption.optional`)."""
+    return tuple(o.name for o in options_of(kind) if o.constructor and not o.optional)
+
+
 def check_group(group: Mapping, where: str, plan: bool = True) -> None:
     """Every option of a (filled) group that applies to its kind, and that every option a group
     always holds is there; ``where`` names the group.  ``plan=False``: only the options the step
@@ -520,7 +526,7 @@ def check_group(group: Mapping, where: str, plan: bool = True) -> None:
             continue
         if o.name in group:
             o.check(group[o.name], f"{where} {o.name}", group)
-        elif o.constructor and not o.optional:
+        elif o.name in held_options(kind_of(group)):
             raise ValueError(f"Muon: {where} has no `{o.name}`, which every {kind_of(group)} group holds; set it "
                              f"(the constructor's default is {o.default!r})")
 

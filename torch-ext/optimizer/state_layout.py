@@ -71,7 +71,7 @@ from .qk_clip import QKClipConfig, config_from_record, config_record
 from .matrix_view import TRANSPOSED_KEY, row_state_layout, transposed_for
 from .rule import momentum_dtype, normuon_on, row_state_dtype, work_dtype
 from .row_blocks import ROW_BLOCKS_KEY, from_checkpoint, row_blocks_for_checkpoint, row_blocks_mismatch
-from .settings import GROUP_OPTIONS, check_group, normalize_group, resolve_adjust_lr_fn
+from .settings import GROUP_OPTIONS, check_group, held_options, kind_of, normalize_group, resolve_adjust_lr_fn
 from .tensors import is_dtensor
 
 logger = logging.getLogger("optimizer.muon")
@@ -249,13 +249,16 @@ def upgrade(state_dict: Any, live_groups: Sequence[Mapping], qk_clip: QKClipConf
     """``state_dict`` in this layout version: a ``torch.optim.Muon`` state dict's groups become Muon
     groups (``adjust_lr_fn`` read as torch reads it), a version-1 checkpoint's Muon groups get
     their Newton–Schulz ``eps`` (module docstring), and options a checkpoint predates take the
-    live group's values.  Anything else is returned as it is, for :func:`check_loadable` to judge."""
+    live group's values (of any checkpoint: the options every group holds, as torch's optimizers
+    give a state dict from before a flag its default).  Anything else is returned as it is, for
+    :func:`check_loadable` to judge."""
     if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("param_groups"), list):
         return state_dict
     saved = state_dict["param_groups"]
     torch_muon = is_torch_muon(state_dict)
     if not torch_muon and not any(isinstance(g, Mapping) and g.get(VERSION_KEY) == 1 for g in saved):
-        return state_dict
+        return {**state_dict, "param_groups": [_with_held_options(g, live_groups[gi] if gi < len(live_groups) else {})
+                                               for gi, g in enumerate(saved)]}
     groups = []
     for gi, group in enumerate(saved):
         group = dict(group)
@@ -274,6 +277,15 @@ def upgrade(state_dict: Any, live_groups: Sequence[Mapping], qk_clip: QKClipConf
                 group[key] = value
         groups.append(group)
     return {**state_dict, "param_groups": groups}
+
+
+def _with_held_options(saved: Any, live: Mapping) -> Any:
+    """A checkpoint group with the options every group of its kind holds that it lacks (saved
+    before them) taken from the live group; any other value as it is."""
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("use_muon"), bool):
+        return saved
+    missing = {name: live[name] for name in held_options(kind_of(saved)) if name not in saved and name in live}
+    return {**saved, **missing} if missing else saved
 
 
 def upgrade_pickled_groups(param_groups: list[dict], ns_eps: float) -> None:
