@@ -172,6 +172,13 @@ def get_default_muon_param_groups(
     """
     groups, table = _groups_and_table(model, is_muon, adamw_options, no_decay, fused_gate_up, example_inputs,
                                       muon_group_options)
+    _log_table(model, table)
+    return groups
+
+
+def _log_table(model: nn.Module, table: RoleTable) -> None:
+    """The table at DEBUG level; a warning when no parameter goes to Muon, and one naming the 3-D
+    tensors that went to AdamW because nothing called them expert stacks."""
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("get_default_muon_param_groups: where each parameter went\n%s", table)
     if table and not any(row.optimizer == "muon" for row in table):
@@ -185,7 +192,6 @@ def get_default_muon_param_groups(
                        "nor their name says [E, out, in] expert stack (docs/param_roles.md). To send expert stacks to "
                        "Muon, give them a name with an 'experts' component (moe.experts.w1), pass is_muon, or put them "
                        "in a group {'params': [...], 'use_muon': True}.", len(unexplained), ", ".join(unexplained))
-    return groups
 
 
 def param_role_table(model_or_params, is_muon=None, **kwargs) -> RoleTable:
