@@ -92,6 +92,28 @@ def test_an_option_set_in_place_is_refused_at_the_step_before_anything_changes(g
     assert not _unchanged(opt, before)
 
 
+@pytest.mark.parametrize("key, bad", [("momentum", 1.5), ("ns_steps", 0)])
+def test_a_first_step_refused_leaves_nothing_behind_for_the_next(key, bad):
+    """Refused at the very first step (no plan cached yet), then corrected: the next step is the step
+    an optimizer that never held the bad value takes, bit for bit (the refused step's context,
+    which planned nothing, is not kept)."""
+    runs = []
+    for refuse_first in (True, False):
+        params = {n: torch.nn.Parameter(t) for n, t in _named().items()}
+        opt = _optimizer(params)
+        _grads(params, 0)
+        if refuse_first:
+            good = opt.param_groups[0][key]
+            opt.param_groups[0][key] = bad
+            with pytest.raises(ValueError, match=key):
+                opt.step()
+            opt.param_groups[0][key] = good
+        opt.step()
+        runs.append([p.detach().clone() for p in params.values()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert not torch.equal(runs[0][0], _named()["w1"])  # the Muon weight moved
+
+
 def test_an_adamw_group_following_a_momentum_schedule_is_checked_with_the_betas_it_takes():
     """OneCycleLR with cycle_momentum writes ``momentum`` into every group; an AdamW group takes it
     as betas[0] (muon.follow_momentum_schedule), so a momentum of 1.5 is refused before it does."""
