@@ -196,6 +196,8 @@ ONE_RANK = [  # changed in place on rank 1 only: (case id, group, key, value); N
     ("muon_row_blocks raising", 0, "muon_row_blocks", _raising_blocks),
     ("muon_row_blocks not fitting", 0, "muon_row_blocks", {"w1": "blocks:3,3"}),
     ("param_names short", 0, "param_names", ["w1"]),
+    ("param_names=5", 0, "param_names", 5),
+    ("use_muon='yes'", 0, "use_muon", "yes"),
 ]
 
 

@@ -317,6 +317,8 @@ def scheduled_betas(group: dict) -> tuple | None:
     group takes it as its ``betas[0]``, as torch.optim.AdamW's would: those betas, or None."""
     if group["use_muon"] or "max_momentum" not in group or "base_momentum" not in group:
         return None
+    if "momentum" not in group or not isinstance(group.get("betas"), (tuple, list)):
+        return None  # nothing to follow, or betas to refuse as they are (settings.check_group)
     momentum = group["momentum"]
     if isinstance(momentum, (int, float)) and not isinstance(momentum, bool):
         momentum = float(momentum)

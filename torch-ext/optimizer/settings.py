@@ -525,10 +525,21 @@ def check_group(group: Mapping, where: str, plan: bool = True) -> None:
         if not plan and o.plan:
             continue
         if o.name in group:
-            o.check(group[o.name], f"{where} {o.name}", group)
+            _checked(o, group[o.name], f"{where} {o.name}", group)
         elif o.name in held_options(kind_of(group)):
             raise ValueError(f"Muon: {where} has no `{o.name}`, which every {kind_of(group)} group holds; set it "
                              f"(the constructor's default is {o.default!r})")
+
+
+def _checked(o: GroupOption, value: Any, where: str, group: Mapping) -> None:
+    """``o.check``, whatever the value: a check that cannot even read it (a TypeError comparing a
+    string with an int) refuses it as ValueError too, the one kind the ranks agree on at a step."""
+    try:
+        o.check(value, where, group)
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any value a user set in place
+        raise ValueError(f"Muon: `{where}` cannot be read ({type(err).__name__}: {err}), got {value!r}") from err
 
 
 def record(settings: MuonSettings, param_groups: Sequence[Mapping]) -> dict[str, str]:
@@ -552,7 +563,7 @@ def digest(settings: MuonSettings, param_groups: Sequence[Mapping]) -> int:
 def plan_key(settings: MuonSettings, param_groups: Sequence[Mapping]) -> tuple:
     """The settings the step plan depends on, by value (see :func:`snapshot`)."""
     optimizer = tuple(getattr(settings, f.name) for f in fields(settings) if f.metadata["declared"].plan)
-    groups = tuple((g["use_muon"], *(snapshot(g.get(o.name)) for o in GROUP_OPTIONS if o.plan)) for g in param_groups)
+    groups = tuple((g.get("use_muon"), *(snapshot(g.get(o.name)) for o in GROUP_OPTIONS if o.plan)) for g in param_groups)
     return optimizer, groups
 
 

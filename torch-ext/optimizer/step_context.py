@@ -67,11 +67,12 @@ def entries_of(param_groups: Sequence[Mapping]) -> list[Entry]:
     """Every parameter with its name (``param_names``, or its position), group and matrix view."""
     out = []
     for gi, group in enumerate(param_groups):
-        names = group.get("param_names")
+        # as robust as the groups are not: a step refuses bad names and kinds (Muon.group_problems)
+        names = group.get("param_names") if isinstance(group.get("param_names"), (list, tuple)) else None
+        use_muon = group.get("use_muon") is True
         for i, p in enumerate(group["params"]):
             name = names[i] if names and i < len(names) else f"param_groups[{gi}]['params'][{i}]"
-            transposed = group["use_muon"] is True and transposed_for(group.get(TRANSPOSED_KEY), name)
-            out.append(Entry(name, p, gi, group["use_muon"], transposed))
+            out.append(Entry(name, p, gi, use_muon, use_muon and transposed_for(group.get(TRANSPOSED_KEY), name)))
     return out
 
 
