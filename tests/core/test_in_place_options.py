@@ -39,7 +39,8 @@ BAD = [  # (group index: 0 Muon, 1 AdamW; option; value set in place)
 
 def _named(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"w1": torch.randn(8, 6, generator=g), "w2": torch.randn(6, 10, generator=g), "norm": torch.randn(6, generator=g)}
+    return {"w1": torch.randn(8, 6, generator=g), "w2": torch.randn(6, 10, generator=g),
+            "norm": torch.randn(6, generator=g)}
 
 
 def _optimizer(params):

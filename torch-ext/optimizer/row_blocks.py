@@ -356,7 +356,8 @@ def _as_block(rows: Tensor) -> slice | Tensor:
 
 
 def _int_slice(b) -> bool:
-    return isinstance(b, slice) and b.step != 0 and all(v is None or isinstance(v, int) for v in (b.start, b.stop, b.step))
+    ends = (b.start, b.stop, b.step) if isinstance(b, slice) else ()
+    return isinstance(b, slice) and b.step != 0 and all(v is None or isinstance(v, int) for v in ends)
 
 
 def compile_blocks(blocks: Sequence, num_rows: int, name: str = "weight") -> RowBlocks:

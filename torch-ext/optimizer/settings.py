@@ -563,7 +563,8 @@ def digest(settings: MuonSettings, param_groups: Sequence[Mapping]) -> int:
 def plan_key(settings: MuonSettings, param_groups: Sequence[Mapping]) -> tuple:
     """The settings the step plan depends on, by value (see :func:`snapshot`)."""
     optimizer = tuple(getattr(settings, f.name) for f in fields(settings) if f.metadata["declared"].plan)
-    groups = tuple((g.get("use_muon"), *(snapshot(g.get(o.name)) for o in GROUP_OPTIONS if o.plan)) for g in param_groups)
+    groups = tuple((g.get("use_muon"), *(snapshot(g.get(o.name)) for o in GROUP_OPTIONS if o.plan))
+                   for g in param_groups)
     return optimizer, groups
 
 

@@ -46,9 +46,9 @@ saved (a plain ``load_state_dict`` restores them from the checkpoint, like ``lr`
 Newton–Schulz here) are choices of the machine, not of the run: the loading optimizer keeps its own
 (:data:`KEPT_GROUP_OPTIONS`, ``GroupOption.kept_on_load``), so a checkpoint saved with
 ``ns_kernels="triton"`` resumes on a machine built with ``"torch"``, and a buffer saved in another
-dtype is converted (with a logged note).  torch's loader would cast every floating state tensor to its parameter's dtype;
-``momentum_buffer`` and ``normuon_v`` are kept out of that cast (:func:`split_kept_state`), so a
-bf16 buffer stays bf16 and fp32 ``v`` of a bf16 parameter stays fp32.
+dtype is converted (with a logged note).  torch's loader would cast every floating state tensor to
+its parameter's dtype; ``momentum_buffer`` and ``normuon_v`` are kept out of that cast
+(:func:`split_kept_state`), so a bf16 buffer stays bf16 and fp32 ``v`` of a bf16 parameter stays fp32.
 
 Loadable too (:func:`upgrade`): ``torch.optim.Muon``'s state dicts (per parameter
 ``momentum_buffer``, as ours; groups with ``adjust_lr_fn``), so that a run can switch to this
