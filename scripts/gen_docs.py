@@ -91,8 +91,11 @@ def options_table(settings=None) -> str:
             meaning = o.doc
             if o.has_torch_default:
                 meaning += f" (torch-style input defaults to {_code(o.torch_default)})"
-            if o.optional:
-                meaning += " (a group holds it only when it is not at its default)"
+            notes = ["a group holds it only when it is not at its default"] if o.optional else []
+            if o.kept_on_load:
+                notes.append("`load_state_dict` keeps the loading optimizer's value: how this machine runs or stores")
+            if notes:
+                meaning += f" ({'; '.join(notes)})"
         elif keyword in fields:
             where, meaning = "global (`opt.settings`)", fields[keyword].metadata["declared"].doc
         elif keyword in alias_docs:

@@ -15,6 +15,20 @@ from .ns_kernels import kernels_problem
 from .tensors import is_dtensor, local_view
 
 
+def param_names_problem(group, where: str) -> str | None:
+    """Why a group's ``param_names`` cannot name its parameters (one string per parameter, in
+    order), or None; a group may also have no names at all."""
+    names = group.get("param_names")
+    if names is None:
+        return None
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        return f"Muon: {where} param_names must be a list of strings, one per parameter, got {names!r}"
+    if len(names) != len(group["params"]):
+        return (f"Muon: {where} has {len(group['params'])} params but {len(names)} param_names; give one name "
+                "per parameter, in the order of params (as model.named_parameters() gives them)")
+    return None
+
+
 def check_group_params(group: dict, names: list[str]) -> None:
     """Parameters a group cannot hold: complex tensors; non-matrices in a Muon group."""
     for name, p in zip(names, group["params"]):

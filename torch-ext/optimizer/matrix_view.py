@@ -39,7 +39,8 @@ def check_transposed(group_value, names: Sequence[str], where: str) -> None:
         return
     if not isinstance(group_value, Mapping):
         raise ValueError(f"{where}: {TRANSPOSED_KEY} must be True/False or {{param_name: True}}, got {group_value!r}")
-    unknown = [k for k in group_value if k not in set(names)]
+    known = set(names)
+    unknown = [k for k in group_value if k not in known]
     if unknown:
         raise ValueError(f"{where}: {TRANSPOSED_KEY} names {unknown}, which are not parameters of this group")
     bad = {k: v for k, v in group_value.items() if not isinstance(v, bool)}

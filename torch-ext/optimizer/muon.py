@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from . import settings as options
 from . import state_layout
 from .adamw import adamw_group_step_, step_as_tensor_
-from .checks import check_group_params, kernels_param_problem
+from .checks import check_group_params, kernels_param_problem, param_names_problem
 from .parallel.stats import PipelineStats
 from .qk_clip import QKClipReport, log_report
 from .qk_clip.plan import build_qk_clip_plan
@@ -81,45 +81,49 @@ class Muon(Optimizer):
     # ------------------------------------------------------------------ groups
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's ``add_param_group``, with every option checked; a refused group leaves the
-        optimizer as it was.  A group without ``use_muon`` (torch-style, as a plain list of tensors
-        becomes) is added as up to two groups: its matrices to Muon, with torch.optim.Muon's defaults,
-        the rest to AdamW (``split_by_kind``: ``optimizer.roles.decide_torch_style``)."""
+        """torch's ``add_param_group``, with every option checked; a refused group (whatever raised)
+        leaves the optimizer as it was.  A group without ``use_muon`` (torch-style, as a plain list of
+        tensors becomes) is added as up to two groups, both or neither: its matrices to Muon, with
+        torch.optim.Muon's defaults, the rest to AdamW (``split_by_kind``:
+        ``optimizer.roles.decide_torch_style``)."""
         if not isinstance(param_group, dict):
             raise TypeError(f"Muon.add_param_group: a param group must be a dict, got {type(param_group).__name__}")
-        if "use_muon" not in param_group:
-            for part in split_by_kind(param_group):
-                self._add_group(part, torch_style=True)
-            return
-        if not isinstance(param_group["use_muon"], bool):
+        torch_style = "use_muon" not in param_group
+        if not torch_style and not isinstance(param_group["use_muon"], bool):
             raise ValueError(f"Muon: `use_muon` must be True or False, got {param_group['use_muon']!r}")
-        self._add_group(param_group)
-
-    def _add_group(self, param_group: dict, torch_style: bool = False) -> None:
-        options.fill_group(param_group, self.group_defaults, torch_style)
-        super().add_param_group(param_group)
-        index = len(self.param_groups) - 1
+        parts = split_by_kind(param_group) if torch_style else [param_group]
+        first = len(self.param_groups)
         try:
-            self._check_group(index)
-        except ValueError:
-            self.param_groups.pop()
+            for part in parts:
+                options.fill_group(part, self.group_defaults, torch_style)
+                super().add_param_group(part)
+                self._check_group(len(self.param_groups) - 1)
+        except BaseException:
+            del self.param_groups[first:]  # torch appended the parts it accepted
             raise
-        state_layout.stamp_group(self.param_groups[index], self.settings.qk_clip)
+        added = self.param_groups[first:]
+        for group in added:
+            state_layout.stamp_group(group, self.settings.qk_clip)
         if not self.__dict__.get("_building", False):
-            self._create_process_groups([self.param_groups[index]], only_if_missing=True)
+            self._create_process_groups(added, only_if_missing=True)
 
     def _check_group(self, index: int) -> None:
-        group = self.param_groups[index]
-        options.check_group(group, f"param_groups[{index}]")
-        names = [e.name for e in entries_of(self.param_groups) if e.group == index]
-        check_group_params(group, names)
-        for name, p in zip(names, group["params"]):
-            problem = kernels_param_problem(name, p, group, self.settings.compute_dtype, adding=True)
+        """Every option of ``param_groups[index]`` and what its parameters allow; raises ValueError
+        naming the group and the option (shapes as Muon reads them: ``Entry.shape``, the ``[out, in]``
+        view of a ``muon_transposed`` weight, as the step resolves them)."""
+        group, where = self.param_groups[index], f"param_groups[{index}]"
+        problem = param_names_problem(group, where)
+        if problem:
+            raise ValueError(problem)
+        options.check_group(group, where)
+        entries = [e for e in entries_of(self.param_groups) if e.group == index]
+        check_group_params(group, [e.name for e in entries])
+        for e in entries:
+            problem = kernels_param_problem(e.name, e.param, group, self.settings.compute_dtype, adding=True)
             if problem:
-                raise ValueError(f"{problem} (param_groups[{index}] ns_kernels)")
-        if group["use_muon"] and group.get(ROW_BLOCKS_KEY) is not None:
-            for name, p in zip(names, group["params"]):
-                resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], name, f"Muon: param_groups[{index}]"), name, p.shape)
+                raise ValueError(f"{problem} ({where} ns_kernels)")
+            if group["use_muon"] and group.get(ROW_BLOCKS_KEY) is not None:
+                resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], e.name, f"Muon: {where}"), e.name, e.shape)
 
     def _create_process_groups(self, param_groups: list[dict], only_if_missing: bool = False) -> None:
         create_process_groups(self.param_groups, param_groups, self._layouts, self.settings, only_if_missing)
@@ -161,12 +165,13 @@ class Muon(Optimizer):
     @torch.compiler.disable
     def _begin_step(self, qk_logits, closure_error):
         """The ranks agree; then ``(context, QK-clip's step facts)``, or ``(None, None)`` when the
-        step is skipped.  Sets ``last_step_skipped`` and ``qk_clip_report``."""
-        follow_momentum_schedule(self.param_groups)
+        step is skipped.  Sets ``last_step_skipped`` and ``qk_clip_report``.  Nothing changes before
+        the verdict: the groups' options (set in place by a user or a scheduler) are among this rank's
+        facts (``group_problems``)."""
         qk_logits = self._logits_for_step(qk_logits)
         context, facts, outcome = self._agree(qk_logits, closure_error)
         if outcome.counts["missing_groups"] and context.create_missing_groups(outcome):
-            self.__dict__.pop("_cached_context")
+            self.__dict__.pop("_cached_context", None)
             context, facts, outcome = self._agree(qk_logits, closure_error)  # with the new groups
         self.last_step_skipped = context.verdict(facts, outcome)
         if self.last_step_skipped:
@@ -174,6 +179,7 @@ class Muon(Optimizer):
             logger.warning("Muon: skipped step: %d of %d ranks saw a non-finite Muon gradient (skip_nonfinite=True)",
                            outcome.counts["nonfinite_grads"], outcome.ranks)
             return None, None
+        follow_momentum_schedule(self.param_groups)
         self.qk_clip_report = facts.clip.report if facts.clip is not None else None
         if self.qk_clip_report is not None:
             log_report(self.qk_clip_report)
@@ -185,8 +191,8 @@ class Muon(Optimizer):
 
     def _agree(self, qk_logits, closure_error):
         """This rank's view of the step, then the one all-reduce (see ``step_context.py``)."""
-        context = self._context()
-        facts = context.local_facts(qk_logits, closure_error, self.settings.skip_nonfinite)
+        context, problems = self._context()
+        facts = context.local_facts(qk_logits, closure_error, self.settings.skip_nonfinite, problems)
         outcome = context.agree(facts, options.digest(self.settings, self.param_groups),
                                 lambda: options.record(self.settings, self.param_groups))
         return context, facts, outcome
@@ -211,14 +217,21 @@ class Muon(Optimizer):
             logger.warning(NO_LOGITS_WARNING)
         return qk_logits
 
-    def _context(self) -> StepContext:
-        """The cached step context, rebuilt when what it depends on changes (``context_key``)."""
+    def _context(self) -> tuple[StepContext, list[str]]:
+        """The cached step context, rebuilt when what it depends on changes (``context_key``), and
+        what is wrong with the groups as they are now (``group_problems``: the options a cached
+        context was built with are unchanged, so only the others are checked again; a context for
+        groups with problems only describes the parameters for the agreement, and is not kept)."""
         key = context_key(self.settings, self.param_groups)
         cached = self.__dict__.get("_cached_context")
-        if cached is None or cached.key != key:
-            cached = self._cached_context = StepContext(
-                key, entries_of(self.param_groups), self.settings, self.param_groups, self._layouts, rank())
-        return cached
+        fresh = cached is None or cached.key != key
+        problems = group_problems(self.param_groups, plan_options=fresh)
+        if fresh:
+            cached = StepContext(key, entries_of(self.param_groups), self.settings, self.param_groups, self._layouts,
+                                 rank(), planned=not problems)
+            if not problems:
+                self._cached_context = cached
+        return cached, problems
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -274,14 +287,50 @@ NO_LOGITS_WARNING = (
 )
 
 
-def follow_momentum_schedule(groups: list[dict]) -> None:
+def group_problems(groups: list[dict], plan_options: bool = True) -> list[str]:
+    """Why the groups, as they are now, cannot be stepped (options set in place by a user or a
+    scheduler): every option of every group (``settings.check_group``; without ``plan_options``
+    only those the step plan does not depend on, a per-group cost), ``use_muon`` and
+    ``param_names``; an AdamW group following a momentum schedule is checked with the betas it
+    takes from it.  Checked at every step before anything changes, and agreed by the ranks."""
+    problems = []
+    for i, group in enumerate(groups):
+        where = f"param_groups[{i}]"
+        if not isinstance(group.get("use_muon"), bool):
+            problems.append(f"Muon: {where} `use_muon` must be True or False, got {group.get('use_muon')!r}")
+            continue
+        problem = param_names_problem(group, where)
+        if problem:
+            problems.append(problem)
+        betas = scheduled_betas(group)
+        try:
+            options.check_group(group if betas is None else {**group, "betas": betas}, where, plan=plan_options)
+        except ValueError as err:
+            problems.append(str(err))
+    return problems
+
+
+def scheduled_betas(group: dict) -> tuple | None:
     """OneCycleLR/CyclicLR with ``cycle_momentum`` write ``momentum`` into every group (the
     defaults have ``momentum`` and no ``betas``) and mark it with ``max_momentum`` /
     ``base_momentum``: Muon groups follow the schedule as torch.optim.Muon's do, and an AdamW
-    group takes it as its ``betas[0]``, as torch.optim.AdamW's would."""
+    group takes it as its ``betas[0]``, as torch.optim.AdamW's would: those betas, or None."""
+    if group["use_muon"] or "max_momentum" not in group or "base_momentum" not in group:
+        return None
+    if "momentum" not in group or not isinstance(group.get("betas"), (tuple, list)):
+        return None  # nothing to follow, or betas to refuse as they are (settings.check_group)
+    momentum = group["momentum"]
+    if isinstance(momentum, (int, float)) and not isinstance(momentum, bool):
+        momentum = float(momentum)
+    return (momentum, *group["betas"][1:])
+
+
+def follow_momentum_schedule(groups: list[dict]) -> None:
+    """Every AdamW group following a momentum schedule takes its ``betas`` (``scheduled_betas``)."""
     for group in groups:
-        if not group["use_muon"] and "max_momentum" in group and "base_momentum" in group:
-            group["betas"] = (float(group["momentum"]), *group["betas"][1:])
+        betas = scheduled_betas(group)
+        if betas is not None:
+            group["betas"] = betas
 
 
 def split_by_kind(group: dict, log: bool = True) -> list[dict]:

@@ -172,6 +172,13 @@ def get_default_muon_param_groups(
     """
     groups, table = _groups_and_table(model, is_muon, adamw_options, no_decay, fused_gate_up, example_inputs,
                                       muon_group_options)
+    _log_table(model, table)
+    return groups
+
+
+def _log_table(model: nn.Module, table: RoleTable) -> None:
+    """The table at DEBUG level; a warning when no parameter goes to Muon, and one naming the 3-D
+    tensors that went to AdamW because nothing called them expert stacks."""
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("get_default_muon_param_groups: where each parameter went\n%s", table)
     if table and not any(row.optimizer == "muon" for row in table):
@@ -179,7 +186,12 @@ def get_default_muon_param_groups(
         logger.warning("get_default_muon_param_groups: no parameter of this %s is a matrix Muon orthogonalises (%s): "
                        "AdamW steps all of them. optimizer.param_role_table(model) shows why; docs/param_roles.md.",
                        type(model).__name__, ", ".join(f"{n} {role}" for role, n in roles.most_common()))
-    return groups
+    unexplained = [f"{row.name} {row.shape}" for row in table if row.ambiguous and row.optimizer == "adamw"]
+    if unexplained:
+        logger.warning("get_default_muon_param_groups: %d 3-D parameter(s) went to AdamW: %s. Neither their module "
+                       "nor their name says [E, out, in] expert stack (docs/param_roles.md). To send expert stacks to "
+                       "Muon, give them a name with an 'experts' component (moe.experts.w1), pass is_muon, or put them "
+                       "in a group {'params': [...], 'use_muon': True}.", len(unexplained), ", ".join(unexplained))
 
 
 def param_role_table(model_or_params, is_muon=None, **kwargs) -> RoleTable:
@@ -239,8 +251,9 @@ def _groups_and_table(model, is_muon, adamw_options, no_decay, fused_gate_up, ex
             target = muon
             if id(param) in facts.transposed:
                 transposed[name] = True
-            if fused_gate_up == "split" and id(param) in facts.row_blocks:
-                blocks[name] = facts.row_blocks[id(param)]
+            fused = facts.row_blocks.get(id(param))
+            if fused is not None and (fused_gate_up == "split" or not fused.gate_up):
+                blocks[name] = fused
         elif exempt is not None and exempt(name, param):
             target = no_decay_group
         else:
@@ -250,17 +263,30 @@ def _groups_and_table(model, is_muon, adamw_options, no_decay, fused_gate_up, ex
 
     groups = []
     if muon[0]:
-        options = _muon_group_options(muon_group_options, blocks, transposed)
+        options = _muon_group_options(muon_group_options, {n: f.spec for n, f in blocks.items()}, transposed)
         groups.append({"params": muon[0], "param_names": muon[1], "use_muon": True, **options})
+        decisions.update(_with_row_blocks(decisions, options.get(ROW_BLOCKS_KEY), blocks))
     if decay[0]:
         groups.append({"params": decay[0], "param_names": decay[1], "use_muon": False, **adamw_options})
     if no_decay_group[0]:
         groups.append({"params": no_decay_group[0], "param_names": no_decay_group[1], "use_muon": False,
                        **adamw_options, "weight_decay": 0.0})
-    rows = [RoleRow(n, tuple(p.shape), gi, "muon" if g["use_muon"] else "adamw", decisions[n].role, decisions[n].rule)
+    rows = [RoleRow(n, tuple(p.shape), gi, "muon" if g["use_muon"] else "adamw", decisions[n].role, decisions[n].rule,
+                    decisions[n].ambiguous)
             for gi, g in enumerate(groups) for n, p in zip(g["param_names"], g["params"])]
     order = {n: i for i, n in enumerate(decisions)}  # the model's order, not the groups'
     return groups, RoleTable(sorted(rows, key=lambda r: order[r.name]))
+
+
+def _with_row_blocks(decisions: Mapping[str, Decision], group_blocks, automatic: Mapping) -> dict[str, Decision]:
+    """The decisions of the Muon group's weights with row blocks, their rule saying so (the table
+    reports what the group does: the automatic blocks of a fused layout, or yours)."""
+    out = {}
+    for name, spec in (group_blocks or {}).items() if isinstance(group_blocks, Mapping) else ():
+        d = decisions[name]
+        why = automatic[name].what if name in automatic and automatic[name].spec == spec else "muon_row_blocks (yours)"
+        out[name] = Decision(d.role, f"{d.rule}; row blocks {spec}: {why}", d.ambiguous, d.muon)
+    return out
 
 
 def muon_choice_problems(model: nn.Module, chosen, chooser: str, facts: ModelFacts | None = None) -> list[str]:

@@ -30,10 +30,11 @@ Rules shared by both, in :func:`shape_decision`:
   for why (the convention must be the same in every path, and grouped kernels cannot be told
   from plain ones without their module).
 * **4-D and higher** (not a convolution by module or name): AdamW (``tensor``).
-* **3-D without a module**: ``[E, out, in]`` experts or a ``[out, in, k]`` kernel. A name with an
-  "expert" component makes it experts (Muon), one with "conv" a kernel (AdamW); with neither
-  (a bare list, or an unhelpful name) it is AdamW, and the torch-style split warns once, naming
-  the tensors and how to send experts to Muon.
+* **3-D**: an expert stack ``[E, out, in]`` (Muon) only where something says so: its module (the
+  expert-stack modules of transformers and torchtitan, model-aware paths), a name with an
+  "expert" component, or an explicit group. Anything else 3-D (``nn.Bilinear``'s weight, a free
+  ``[heads, L, L]`` bias table, an ``[out, in, k]`` kernel) is AdamW, and both paths warn once,
+  naming the tensors nothing explained and how to send experts to Muon.
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def decide(name: str, param, facts) -> Decision:
     then shapes (module docstring). ``facts``: :class:`optimizer.model_facts.ModelFacts`."""
     pid = id(param)
     for table, role in ((facts.adapter, "adapter"), (facts.embedding, "embedding"), (facts.head, "head"),
-                        (facts.conv, "conv")):
+                        (facts.conv, "conv"), (facts.tensor, "tensor")):
         if pid in table:
             return Decision(role, facts.with_aliases(pid, table[pid]))
     by_name = name_decision(name)
@@ -195,9 +196,12 @@ def decide(name: str, param, facts) -> Decision:
         return by_shape
     if param.ndim > 3:
         return Decision("tensor", f"{param.ndim}-D, not a convolution's module")
-    if param.ndim == 3:
-        why = facts.experts.get(pid) or ("name: an \"expert\" component" if experts else "not a convolution's module")
+    if param.ndim == 3 and experts:
+        why = facts.experts.get(pid) or "name: an \"expert\" component"
         return Decision("matrix", f"3-D [E, out, in] expert stack ({why})")
+    if param.ndim == 3:
+        return Decision("tensor", "3-D, and neither its module nor its name says [E, out, in] expert stack: AdamW",
+                        ambiguous=True)
     return Decision("matrix", "2-D weight")
 
 
@@ -248,6 +252,7 @@ class RoleRow:
     optimizer: str  # "muon" or "adamw"
     role: str
     rule: str
+    ambiguous: bool = False  # a 3-D tensor nothing called an expert stack (``Decision.ambiguous``)
 
 
 class RoleTable(tuple):

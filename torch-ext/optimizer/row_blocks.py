@@ -55,7 +55,7 @@ applies the whole matrix's adjusted lr as usual and every block ends up with its
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +64,7 @@ from torch import Tensor
 from .attention_layouts import FusedQKV, Part
 
 ROW_BLOCKS_KEY = "muon_row_blocks"
+_ROW_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _HEADS_RE = re.compile(r"^heads:(\d+)$")
 _BLOCKS_RE = re.compile(r"^blocks:(\d+(?:,\d+)*)$")
 _QKV_RE = re.compile(r"^(fused_qkv|split_qkv):(\d+),(\d+),(\d+),(\w+)(,per_head)?$")
@@ -249,7 +250,8 @@ def check_group_row_blocks(group_value, names: Sequence[str], where: str) -> Non
             parse_spec(v, f"{where} [{i}]")
         return
     if isinstance(group_value, Mapping):
-        unknown = [k for k in group_value if k not in set(names)]
+        known = set(names)
+        unknown = [k for k in group_value if k not in known]
         if unknown:
             raise ValueError(
                 f"{where}: {ROW_BLOCKS_KEY} names {unknown}, which are not parameters of this group "
@@ -326,8 +328,24 @@ def resolve_row_blocks(spec, name: str, global_shape: Sequence[int]) -> RowBlock
             else:
                 blocks.append(_as_block(layout.rows(part)))
     else:
-        blocks = list(spec(name, matrix))
+        blocks = _call_spec(spec, name, matrix)
     return compile_blocks(blocks, rows, name)
+
+
+def _call_spec(spec, name: str, matrix: tuple[int, int]) -> list:
+    """A callable spec's blocks; whatever it raises, or a result that is not a sequence, is a
+    ValueError naming the parameter (the same at ``add_param_group`` and at a step, where every
+    rank must see a refusal of the same kind to agree on it)."""
+    try:
+        blocks = spec(name, matrix)
+    except Exception as err:  # noqa: BLE001 - the user's function: say whose and where
+        raise ValueError(f"'{name}': the callable {ROW_BLOCKS_KEY} spec {spec!r} raised {type(err).__name__}: {err} "
+                         f"(called with ({name!r}, {matrix}))") from err
+    if isinstance(blocks, (str, bytes, Mapping, Tensor)) or not isinstance(blocks, (Sequence, Iterator)):
+        raise ValueError(f"'{name}': the callable {ROW_BLOCKS_KEY} spec {spec!r} returned {blocks!r}; it must return "
+                         "a sequence of blocks (slices or 1-D LongTensors of global rows) that partition the "
+                         f"{matrix[0]} rows")
+    return list(blocks)
 
 
 def _as_block(rows: Tensor) -> slice | Tensor:
@@ -337,17 +355,23 @@ def _as_block(rows: Tensor) -> slice | Tensor:
     return rows
 
 
+def _int_slice(b) -> bool:
+    ends = (b.start, b.stop, b.step) if isinstance(b, slice) else ()
+    return isinstance(b, slice) and b.step != 0 and all(v is None or isinstance(v, int) for v in ends)
+
+
 def compile_blocks(blocks: Sequence, num_rows: int, name: str = "weight") -> RowBlocks:
     """Check that ``blocks`` partition ``range(num_rows)`` and group them by size."""
     as_rows = []
     for i, b in enumerate(blocks):
-        if isinstance(b, slice):
+        if _int_slice(b):
             start, stop, step = b.indices(num_rows)
             r = torch.arange(start, stop, step)
-        elif isinstance(b, Tensor) and b.ndim == 1 and not b.is_floating_point():
+        elif isinstance(b, Tensor) and b.ndim == 1 and b.dtype in _ROW_DTYPES:
             r = b.to("cpu", torch.long)
         else:
-            raise ValueError(f"'{name}': row block {i} must be a slice or a 1-D LongTensor of global rows, got {b!r}")
+            raise ValueError(f"'{name}': row block {i} must be a slice of ints (step not 0) or a 1-D integer "
+                             f"tensor of global rows, got {b!r}")
         if r.numel() == 0:
             raise ValueError(f"'{name}': row block {i} is empty")
         as_rows.append(r)

@@ -188,7 +188,9 @@ def rank_independent_repr(value: Any) -> str:
     if isinstance(value, Mapping):
         return "{" + ", ".join(f"{k!r}: {rank_independent_repr(v)}" for k, v in value.items()) + "}"
     if torch.is_tensor(value):
-        return repr(value.item()) if value.device.type == "cpu" else "<device tensor>"
+        if value.device.type != "cpu":
+            return "<device tensor>"
+        return repr(value.item()) if value.numel() == 1 else f"<tensor of shape {tuple(value.shape)}>"
     if callable(value) and not isinstance(value, type) and not dataclasses.is_dataclass(value):
         name = getattr(value, "__qualname__", type(value).__qualname__)
         return f"<callable {getattr(value, '__module__', '?')}.{name}>"
@@ -290,6 +292,10 @@ class GroupOption:
     # torch.distributed.checkpoint (which loads the keys the loading optimizer's groups have, and
     # refuses a checkpoint without one) still loads checkpoints from before it.
     optional: bool = False
+    # How this machine runs or stores the step, not what the run trains (``momentum_dtype``,
+    # ``ns_kernels``): ``load_state_dict`` keeps the loading optimizer's value, whatever the
+    # checkpoint says (a run resumed on another machine runs as that machine is set up to).
+    kept_on_load: bool = False
 
     @property
     def ctor_keyword(self) -> str:
@@ -315,8 +321,8 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
                 "Nesterov input, weight decay with the update, docs/kernels.md): 'auto' the Triton kernels (one "
                 "triangle of every symmetric product, fused epilogues, one pass per elementwise stage) on CUDA GPUs "
                 "they support and torch elsewhere, 'torch' torch's matmuls and elementwise ops, 'triton' the kernels "
-                "(on CPU only under TRITON_INTERPRET=1); a matrix cut by ns_split runs its products on torch's",
-                _ns_kernels, plan=True, optional=True),
+                "(on CPU only under TRITON_INTERPRET=1); a matrix cut by ns_split runs its products on the same choice",
+                _ns_kernels, plan=True, optional=True, kept_on_load=True),
     GroupOption("eps", (MUON,), 1e-7, "Newton–Schulz normalisation epsilon: X / max(||X||_F, eps), in fp32 "
                 "(torch.optim.Muon's eps)", _positive),
     GroupOption("ns_split", (MUON,), "auto",
@@ -350,7 +356,7 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
     GroupOption("momentum_dtype", (MUON,), None,
                 "dtype of the Muon momentum buffer (None: the parameter's; torch.bfloat16 halves its "
                 "memory); the arithmetic is in the wider of it and the parameter's dtype",
-                _momentum_dtype, plan=True, normalize=dtype_of, optional=True),
+                _momentum_dtype, plan=True, normalize=dtype_of, optional=True, kept_on_load=True),
 )
 
 
@@ -505,11 +511,35 @@ def _is_default(o: GroupOption, value: Any) -> bool:
     return value is o.default or (type(value) is type(o.default) and value == o.default)
 
 
-def check_group(group: Mapping, where: str) -> None:
-    """Every option of a (filled) group that applies to its kind; ``where`` names the group."""
+def held_options(kind: str) -> tuple[str, ...]:
+    """The options every group of ``kind`` holds (filled in when it is added): the constructor's,
+    except the optional ones (:attr:`GroupOption.optional`)."""
+    return tuple(o.name for o in options_of(kind) if o.constructor and not o.optional)
+
+
+def check_group(group: Mapping, where: str, plan: bool = True) -> None:
+    """Every option of a (filled) group that applies to its kind, and that every option a group
+    always holds is there; ``where`` names the group.  ``plan=False``: only the options the step
+    plan does not depend on (a cached plan was built with the others, unchanged: :func:`plan_key`)."""
     for o in options_of(kind_of(group)):
+        if not plan and o.plan:
+            continue
         if o.name in group:
-            o.check(group[o.name], f"{where} {o.name}", group)
+            _checked(o, group[o.name], f"{where} {o.name}", group)
+        elif o.name in held_options(kind_of(group)):
+            raise ValueError(f"Muon: {where} has no `{o.name}`, which every {kind_of(group)} group holds; set it "
+                             f"(the constructor's default is {o.default!r})")
+
+
+def _checked(o: GroupOption, value: Any, where: str, group: Mapping) -> None:
+    """``o.check``, whatever the value: a check that cannot even read it (a TypeError comparing a
+    string with an int) refuses it as ValueError too, the one kind the ranks agree on at a step."""
+    try:
+        o.check(value, where, group)
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any value a user set in place
+        raise ValueError(f"Muon: `{where}` cannot be read ({type(err).__name__}: {err}), got {value!r}") from err
 
 
 def record(settings: MuonSettings, param_groups: Sequence[Mapping]) -> dict[str, str]:
@@ -533,7 +563,8 @@ def digest(settings: MuonSettings, param_groups: Sequence[Mapping]) -> int:
 def plan_key(settings: MuonSettings, param_groups: Sequence[Mapping]) -> tuple:
     """The settings the step plan depends on, by value (see :func:`snapshot`)."""
     optimizer = tuple(getattr(settings, f.name) for f in fields(settings) if f.metadata["declared"].plan)
-    groups = tuple((g["use_muon"], *(snapshot(g.get(o.name)) for o in GROUP_OPTIONS if o.plan)) for g in param_groups)
+    groups = tuple((g.get("use_muon"), *(snapshot(g.get(o.name)) for o in GROUP_OPTIONS if o.plan))
+                   for g in param_groups)
     return optimizer, groups
 
 

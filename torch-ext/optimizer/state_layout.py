@@ -42,11 +42,13 @@ group held would make every older checkpoint unloadable through DCP.  The price:
 loading optimizer decides which of them are read, so build it with the options of the run that
 saved (a plain ``load_state_dict`` restores them from the checkpoint, like ``lr``).
 
-``momentum_dtype`` is how this optimizer stores its momentum: the loading optimizer keeps its own
-(:data:`STORAGE_GROUP_OPTIONS`), and a buffer saved in another dtype is converted (with a logged
-note).  torch's loader would cast every floating state tensor to its parameter's dtype;
-``momentum_buffer`` and ``normuon_v`` are kept out of that cast (:func:`split_kept_state`), so a
-bf16 buffer stays bf16 and fp32 ``v`` of a bf16 parameter stays fp32.
+``momentum_dtype`` (how this optimizer stores its momentum) and ``ns_kernels`` (what runs
+Newton–Schulz here) are choices of the machine, not of the run: the loading optimizer keeps its own
+(:data:`KEPT_GROUP_OPTIONS`, ``GroupOption.kept_on_load``), so a checkpoint saved with
+``ns_kernels="triton"`` resumes on a machine built with ``"torch"``, and a buffer saved in another
+dtype is converted (with a logged note).  torch's loader would cast every floating state tensor to
+its parameter's dtype; ``momentum_buffer`` and ``normuon_v`` are kept out of that cast
+(:func:`split_kept_state`), so a bf16 buffer stays bf16 and fp32 ``v`` of a bf16 parameter stays fp32.
 
 Loadable too (:func:`upgrade`): ``torch.optim.Muon``'s state dicts (per parameter
 ``momentum_buffer``, as ours; groups with ``adjust_lr_fn``), so that a run can switch to this
@@ -69,7 +71,7 @@ from .qk_clip import QKClipConfig, config_from_record, config_record
 from .matrix_view import TRANSPOSED_KEY, row_state_layout, transposed_for
 from .rule import momentum_dtype, normuon_on, row_state_dtype, work_dtype
 from .row_blocks import ROW_BLOCKS_KEY, from_checkpoint, row_blocks_for_checkpoint, row_blocks_mismatch
-from .settings import check_group, normalize_group, resolve_adjust_lr_fn
+from .settings import GROUP_OPTIONS, check_group, held_options, kind_of, normalize_group, resolve_adjust_lr_fn
 from .tensors import is_dtensor
 
 logger = logging.getLogger("optimizer.muon")
@@ -82,8 +84,8 @@ MOMENTUM_KEY, ROW_STATE_KEY = "momentum_buffer", "normuon_v"
 MUON_STATE_KEYS = frozenset({MOMENTUM_KEY})
 NORMUON_STATE_KEYS = frozenset({MOMENTUM_KEY, ROW_STATE_KEY})
 ADAMW_STATE_KEYS_SET = frozenset(ADAMW_STATE_KEYS)
-# How this optimizer stores its state: on load, the loading optimizer keeps its own value.
-STORAGE_GROUP_OPTIONS = ("momentum_dtype",)
+# How this machine runs and stores the step: on load, the loading optimizer keeps its own value.
+KEPT_GROUP_OPTIONS = tuple(dict.fromkeys(o.name for o in GROUP_OPTIONS if o.kept_on_load))
 # State whose dtype is the optimizer's choice, not the parameter's: kept out of torch's cast on load.
 KEPT_DTYPE_STATE = (MOMENTUM_KEY, ROW_STATE_KEY)
 
@@ -247,13 +249,16 @@ def upgrade(state_dict: Any, live_groups: Sequence[Mapping], qk_clip: QKClipConf
     """``state_dict`` in this layout version: a ``torch.optim.Muon`` state dict's groups become Muon
     groups (``adjust_lr_fn`` read as torch reads it), a version-1 checkpoint's Muon groups get
     their Newton–Schulz ``eps`` (module docstring), and options a checkpoint predates take the
-    live group's values.  Anything else is returned as it is, for :func:`check_loadable` to judge."""
+    live group's values (of any checkpoint: the options every group holds, as torch's optimizers
+    give a state dict from before a flag its default).  Anything else is returned as it is, for
+    :func:`check_loadable` to judge."""
     if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("param_groups"), list):
         return state_dict
     saved = state_dict["param_groups"]
     torch_muon = is_torch_muon(state_dict)
     if not torch_muon and not any(isinstance(g, Mapping) and g.get(VERSION_KEY) == 1 for g in saved):
-        return state_dict
+        return {**state_dict, "param_groups": [_with_held_options(g, live_groups[gi] if gi < len(live_groups) else {})
+                                               for gi, g in enumerate(saved)]}
     groups = []
     for gi, group in enumerate(saved):
         group = dict(group)
@@ -272,6 +277,15 @@ def upgrade(state_dict: Any, live_groups: Sequence[Mapping], qk_clip: QKClipConf
                 group[key] = value
         groups.append(group)
     return {**state_dict, "param_groups": groups}
+
+
+def _with_held_options(saved: Any, live: Mapping) -> Any:
+    """A checkpoint group with the options every group of its kind holds that it lacks (saved
+    before them) taken from the live group; any other value as it is."""
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("use_muon"), bool):
+        return saved
+    missing = {name: live[name] for name in held_options(kind_of(saved)) if name not in saved and name in live}
+    return {**saved, **missing} if missing else saved
 
 
 def upgrade_pickled_groups(param_groups: list[dict], ns_eps: float) -> None:
@@ -304,7 +318,7 @@ def load(opt: torch.optim.Optimizer, state_dict: Any, torch_load) -> QKClipConfi
     this optimizer's choice (:func:`restore_kept_state`), and torch's post-hooks last.
     State entries of no parameter are kept, as torch keeps them.  The checkpoint's row blocks were
     checked equal to the optimizer's, which keeps its specs as they were written, and so does its
-    storage (:data:`STORAGE_GROUP_OPTIONS`).  Returns the QK-clip config the checkpoint describes
+    machine's choices (:data:`KEPT_GROUP_OPTIONS`).  Returns the QK-clip config the checkpoint describes
     (a custom ``classify`` is kept from the optimizer's)."""
     live_qk_clip = opt.settings.qk_clip
     state_dict = upgrade(run_load_pre_hooks(opt, state_dict), opt.param_groups, live_qk_clip)
@@ -313,12 +327,12 @@ def load(opt: torch.optim.Optimizer, state_dict: Any, torch_load) -> QKClipConfi
         check_group(group, f"checkpoint param_groups[{i}]")
     qk_clip = qk_clip_from_groups(state_dict["param_groups"], live_qk_clip)
     row_blocks = [g.get(ROW_BLOCKS_KEY) for g in opt.param_groups]
-    storage = [{k: g[k] for k in STORAGE_GROUP_OPTIONS if k in g} for g in opt.param_groups]
+    kept_options = [{k: g[k] for k in KEPT_GROUP_OPTIONS if k in g} for g in opt.param_groups]
     rest, kept = split_kept_state(state_dict, opt)
     with load_hooks_run_here(opt):
         torch_load({**state_dict, "state": rest})
-    for group, blocks, own in zip(opt.param_groups, row_blocks, storage):
-        for k in STORAGE_GROUP_OPTIONS:
+    for group, blocks, own in zip(opt.param_groups, row_blocks, kept_options):
+        for k in KEPT_GROUP_OPTIONS:
             group.pop(k, None)
         group.update(own)
         normalize_group(group)

@@ -67,11 +67,12 @@ def entries_of(param_groups: Sequence[Mapping]) -> list[Entry]:
     """Every parameter with its name (``param_names``, or its position), group and matrix view."""
     out = []
     for gi, group in enumerate(param_groups):
-        names = group.get("param_names")
+        # as robust as the groups are not: a step refuses bad names and kinds (Muon.group_problems)
+        names = group.get("param_names") if isinstance(group.get("param_names"), (list, tuple)) else None
+        use_muon = group.get("use_muon") is True
         for i, p in enumerate(group["params"]):
-            name = names[i] if names else f"param_groups[{gi}]['params'][{i}]"
-            transposed = group["use_muon"] and transposed_for(group.get(TRANSPOSED_KEY), name)
-            out.append(Entry(name, p, gi, group["use_muon"], transposed))
+            name = names[i] if names and i < len(names) else f"param_groups[{gi}]['params'][{i}]"
+            out.append(Entry(name, p, gi, use_muon, use_muon and transposed_for(group.get(TRANSPOSED_KEY), name)))
     return out
 
 
@@ -139,10 +140,12 @@ class LocalFacts:
 
 
 class StepContext:
-    """See the module docstring.  ``errors`` are this rank's problems found while building."""
+    """See the module docstring.  ``errors`` are this rank's problems found while building.
+    ``planned=False`` (the groups' options are refused this step): only what the agreement needs (the
+    DTensor parameters' descriptions and the group it runs on) is built."""
 
     def __init__(self, key: tuple, entries: list[Entry], settings: MuonSettings, param_groups: Sequence[Mapping],
-                 layouts: Layouts, rank: int):
+                 layouts: Layouts, rank: int, planned: bool = True):
         self.key = key
         self.settings = settings
         self.entries = entries
@@ -158,6 +161,8 @@ class StepContext:
         self._rank = rank
         self._clip_index: dict[int, torch.Tensor] = {}
         self.missing_groups: list[tuple[int, ...]] = []
+        if not planned:
+            return
         self.errors += [problem for e in entries if (problem := param_problem(e.name, e.param))]
         self.errors += [problem for e in entries if (problem := kernels_param_problem(
             e.name, e.param, param_groups[e.group], settings.compute_dtype))]
@@ -269,10 +274,12 @@ class StepContext:
     def muon_params(self) -> list[torch.Tensor]:
         return [e.param for e in self.muon]
 
-    def local_facts(self, qk_logits, closure_error: BaseException | None, skip_nonfinite: bool) -> LocalFacts:
-        """This rank's problems, QK-clip's values and the facts to agree on (nothing changes yet;
-        device facts stay on the device)."""
-        errors = list(self.errors)
+    def local_facts(self, qk_logits, closure_error: BaseException | None, skip_nonfinite: bool,
+                    option_problems: Sequence[str] = ()) -> LocalFacts:
+        """This rank's problems (``option_problems``: the groups' options, ``Muon.group_problems``),
+        QK-clip's values and the facts to agree on (nothing changes yet; device facts stay on the
+        device)."""
+        errors = [*option_problems, *self.errors]
         for e in self.entries:
             problem = gradient_problem(e.name, e.param, e.param.grad, e.use_muon)
             if problem:
