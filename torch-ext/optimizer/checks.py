@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .newton_schulz import ns_form_dtypes
-from .ns_kernels import kernels_problem
+from .ns_kernels import kernels_problem, shape_problem
 from .tensors import is_dtensor, local_view
 
 
@@ -86,6 +86,9 @@ def kernels_param_problem(name: str, param: torch.Tensor, group: dict, compute_d
     mode = group.get("ns_kernels", "auto")
     if not group.get("use_muon") or mode == "torch" or (mode == "auto" and not adding):
         return None
+    problem = shape_problem(mode, param.shape)
+    if problem is not None:
+        return f"Muon: parameter '{name}': {problem}"
     device = local_view(param).device
     if mode == "auto" and device.type != "cuda":  # torch there: nothing to check
         return None
