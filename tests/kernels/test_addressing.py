@@ -130,7 +130,7 @@ def test_newton_schulz_problem_of_a_parameter_shape(shape, addressable):
 
 def test_triton_refuses_such_a_parameter_when_its_group_is_added():
     """Named, before the group is added; "auto" takes it (its products run on torch)."""
-    huge = torch.nn.Parameter(torch.empty(32768, 65537, device="meta"))
+    huge = torch.nn.Parameter(torch.zeros(1, 1).expand(32768, 65537))  # on the CPU, where the interpreter runs "triton"
     fine = torch.nn.Parameter(torch.empty(4, 4))
     opt = Muon([{"params": [fine], "use_muon": True}], lr=0.02, ns_kernels="torch")
     with pytest.raises(ValueError, match=r"parameter '.*'.*ns_kernels='triton'.*\(32768, 65537\).*param_groups\[1\]"):

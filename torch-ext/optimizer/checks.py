@@ -86,9 +86,6 @@ def kernels_param_problem(name: str, param: torch.Tensor, group: dict, compute_d
     mode = group.get("ns_kernels", "auto")
     if not group.get("use_muon") or mode == "torch" or (mode == "auto" and not adding):
         return None
-    problem = shape_problem(mode, param.shape)
-    if problem is not None:
-        return f"Muon: parameter '{name}': {problem}"
     device = local_view(param).device
     if mode == "auto" and device.type != "cuda":  # torch there: nothing to check
         return None
@@ -96,4 +93,5 @@ def kernels_param_problem(name: str, param: torch.Tensor, group: dict, compute_d
         problem = kernels_problem(mode, device, dtype)
         if problem is not None:
             return f"Muon: parameter '{name}': {problem}"
-    return None
+    problem = shape_problem(mode, param.shape) if mode == "triton" else None  # "auto" runs such sizes on torch
+    return None if problem is None else f"Muon: parameter '{name}': {problem}"
