@@ -88,13 +88,20 @@ cat "$FOLDER/environment.txt"
 echo "device: $DEVICE, folder: $FOLDER" >"$FOLDER/summary.txt"
 
 failed=()
+# Stopped from outside (a caller's own time limit): stop the running part and everything under it
+# (timeout passes the signal on to its command's process group) rather than leave it running.
+part_pid=""
+trap 'if [ -n "$part_pid" ]; then kill -TERM "$part_pid" 2>/dev/null; wait "$part_pid"; fi; exit 143' TERM INT HUP
 # part NAME LIMIT CMD...: run CMD within LIMIT seconds, its output in NAME.log, the outcome in summary.txt
 part() {
     local name="$1" limit="$2"
     shift 2
     echo "== $name (at most ${limit} s): $*"
     local start=$SECONDS rc=0
-    timeout --kill-after=20 "$limit" "$@" >"$FOLDER/$name.log" 2>&1 || rc=$?
+    timeout --kill-after=20 "$limit" "$@" >"$FOLDER/$name.log" 2>&1 &
+    part_pid=$!
+    wait "$part_pid" || rc=$?
+    part_pid=""
     local outcome="ok"
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
         outcome="FAILED (out of time after ${limit} s)"

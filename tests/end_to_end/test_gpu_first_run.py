@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -16,13 +17,27 @@ from repo import REPO
 SCRIPT = str(REPO / "scripts" / "gpu_first_run.sh")
 
 
-def run(args, env_extra=None, timeout=1500):
+def run(args, env_extra=None, timeout=2300):
+    """The script's exit status and output; stopped (SIGTERM: it stops its running part) if it
+    overruns ``timeout`` or the test is stopped, so that nothing it started is left running."""
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env.update(PYTHON=sys.executable, **(env_extra or {}))
-    return subprocess.run(["bash", SCRIPT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(["bash", SCRIPT, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.mark.torchrun
+@pytest.mark.timeout(2400)  # gpu_check.sh's quick checks, then the benchmarks: ~5 min on 2 idle cores, more loaded
 def test_dry_run_on_cpu_writes_every_table_and_the_environment(tmp_path):
     folder = tmp_path / "first_run"
     proc = run(["--device", "cpu", str(folder)])
@@ -45,17 +60,16 @@ def test_dry_run_on_cpu_writes_every_table_and_the_environment(tmp_path):
     assert (folder / "ns_kernels_cpu.md").exists() and (folder / "ns_kernels_cpu.json").exists()
 
 
-def test_a_failed_part_fails_the_run(tmp_path):
+def test_a_failed_part_fails_the_run_and_the_folder_defaults_to_OUT(tmp_path):
     """A part that fails, or runs out of its time, is named and makes the exit status non-zero
-    (here gpu_check, given a second to run; the later parts are given a second too)."""
-    folder = tmp_path / "first_run"
-    proc = run(["--device", "cpu", str(folder)], {"GPU_CHECK_LIMIT_S": "1", "GPU_STEP_LIMIT_S": "1",
-                                                  "NS_KERNELS_LIMIT_S": "1"}, timeout=300)
+    (here each part is given a second); with no folder given, the device tool's $OUT holds it all."""
+    proc = run(["--device", "cpu"], {"OUT": str(tmp_path), "GPU_CHECK_LIMIT_S": "1", "GPU_STEP_LIMIT_S": "1",
+                                     "NS_KERNELS_LIMIT_S": "1"}, timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:]
-    summary = (folder / "summary.txt").read_text()
+    summary = (tmp_path / "summary.txt").read_text()
     assert "gpu_check: FAILED (out of time after 1 s)" in summary, summary
     assert "gpu_first_run: FAILED: gpu_check gpu_step ns_kernels" in summary
-    assert (folder / "environment.txt").exists()
+    assert (tmp_path / "environment.txt").exists() and (tmp_path / "gpu_check.log").exists()
 
 
 def test_gpu_step_strict_names_the_kernels_that_failed_their_first_use_check():
@@ -70,11 +84,3 @@ def test_gpu_step_strict_names_the_kernels_that_failed_their_first_use_check():
     assert gpu_step.kernel_check_failures({"kernels_check": failed}) == {"products float16": failed["products float16"]}
     assert gpu_step.kernel_check_failures({"kernels_check": "no optimizer.kernels in this build"}) == {
         "check": "no optimizer.kernels in this build"}
-
-
-def test_the_folder_defaults_to_OUT(tmp_path):
-    """The device tool's $OUT is the folder when none is given (what comes back from a lent GPU)."""
-    proc = run(["--device", "cpu"], {"OUT": str(tmp_path), "GPU_CHECK_LIMIT_S": "1", "GPU_STEP_LIMIT_S": "1",
-                                     "NS_KERNELS_LIMIT_S": "1"}, timeout=300)
-    assert proc.returncode == 1
-    assert (tmp_path / "environment.txt").exists() and (tmp_path / "summary.txt").exists()
