@@ -309,7 +309,7 @@ def problems(spec: Specialisation, shared: int, ptx: str) -> list[str]:
     if spec.options.get("enable_fp_fusion") is not False:
         found.append("launched without enable_fp_fusion=False: its rounding is left to Triton's default")
     if spec.kernel.__name__ in PRODUCT_KERNELS:
-        fma = re.search(r"\bfma\.rn\.f32\b", ptx) is not None
+        fma = re.search(r"\bfma\.rn\.f32(x2)?\b", ptx) is not None  # sm100 also packs two: f32x2
         if spec.signature["L"] == "*fp32":
             if "tf32" in ptx:
                 found.append("an fp32 product compiled to tf32 instructions (input_precision='ieee' expected)")
