@@ -55,6 +55,7 @@ def _tiles_name(t):
     return f"{t.block_m}x{t.block_n}x{t.block_k}/{t.num_warps}w/{t.num_stages}s"
 
 
+@pytest.mark.timeout(TIMEOUT_S + 60)
 @pytest.mark.parametrize("capability,scope", [(c, "full") for c in FULL_TARGETS] + [(c, "products") for c in EXTRA_TARGETS])
 def test_every_kernel_compiles_within_the_targets_limits(tmp_path, capability, scope):
     proc, results = run_aot(tmp_path, "--scope", scope, str(capability))
@@ -79,6 +80,7 @@ def test_every_kernel_compiles_within_the_targets_limits(tmp_path, capability, s
         assert not any(r["int64_args"] for r in results if "2^31" not in r["name"])
 
 
+@pytest.mark.timeout(TIMEOUT_S + 60)
 @pytest.mark.parametrize("control,expected", [
     ("tile 256x256x128", "B of shared memory; a block gets 166,912 B on sm80"),
     ("BLOCK 48", "does not compile"),
