@@ -41,6 +41,9 @@ export PYTHON
 mkdir -p "$FOLDER"
 FOLDER="$(cd "$FOLDER" && pwd)"
 export PYTHONUNBUFFERED=1
+if [ "$DEVICE" = cuda ]; then
+    unset TRITON_INTERPRET  # it would run the kernels on the CPU, and they would refuse CUDA tensors
+fi
 
 dion_src=""
 for candidate in "${DION_SRC:-}" shared/dion ../shared/dion third_party/dion; do

@@ -20,7 +20,9 @@ SCRIPT = str(REPO / "scripts" / "gpu_first_run.sh")
 def run(args, env_extra=None, timeout=2300):
     """The script's exit status and output; stopped (SIGTERM: it stops its running part) if it
     overruns ``timeout`` or the test is stopped, so that nothing it started is left running."""
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    # as on a GPU machine: no TRITON_INTERPRET (tests/conftest.py sets it for the suite; under it
+    # gpu_step.py would also time our kernels in the interpreter, minutes on CPU)
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
     env.update(PYTHON=sys.executable, **(env_extra or {}))
     proc = subprocess.Popen(["bash", SCRIPT, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
