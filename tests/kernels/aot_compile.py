@@ -292,7 +292,8 @@ def compile_one(spec: Specialisation) -> Compiled:
         result.problems = [f"does not compile: {result.error}"]
     else:
         result.shared = int(compiled.metadata.shared)
-        result.registers, result.stack = _resources(compiled.asm["cubin"])
+        if REPORT_RESOURCES:
+            result.registers, result.stack = _resources(compiled.asm["cubin"])
         result.problems = problems(spec, result.shared, compiled.asm["ptx"])
     result.cpu_seconds = _cpu_seconds() - start
     return result
@@ -395,6 +396,8 @@ def compile_all(specs: list[Specialisation], jobs: int = 1) -> list[Compiled]:
 
 
 _SPECS: list[Specialisation] = []
+# Registers and stack from cuobjdump: one process per specialisation, cached or not (--no-resources).
+REPORT_RESOURCES = True
 
 
 def _compile_index(i: int) -> Compiled:
@@ -418,7 +421,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--scope", default="full", choices=("full", "products", *CONTROLS))
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", help="write every result here")
+    parser.add_argument("--resources", action=argparse.BooleanOptionalAction, default=True,
+                        help="registers and spills from cuobjdump (default; not checked, only reported)")
     args = parser.parse_args(argv)
+    global REPORT_RESOURCES
+    REPORT_RESOURCES = args.resources
     results = []
     for capability in args.capabilities:
         start = time.perf_counter()

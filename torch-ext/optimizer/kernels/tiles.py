@@ -86,8 +86,8 @@ def choose_tiles(
 
     The rule: 128-wide tiles, unless the grid they give has fewer tiles than the GPU has SMs (a
     1024 x 1024 output has 36 triangle tiles at 128 on 132 SMs, 136 at 64), then 64-wide; at most
-    3 pipeline stages where a block gets 99 KiB of shared memory. fp32 uses its own FMA-sized tile. Pure and cached: the same
-    answer on every rank.
+    3 pipeline stages where a block gets 99 KiB of shared memory. fp32 uses its own FMA-sized
+    tile. Pure and cached: the same answer on every rank.
     """
     if capability is None:
         return INTERPRETER_TILES
