@@ -448,6 +448,7 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default=None, help="write everything as JSON here")
+    p.add_argument("--strict", action="store_true", help="exit 1 if our kernels failed their first-use check here")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -471,7 +472,21 @@ def main(argv=None) -> dict:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    failures = kernel_check_failures(result["hardware"])
+    if args.strict and failures:
+        raise SystemExit(f"gpu_step: our kernels failed their first-use check on {device}: {failures}")
     return result
+
+
+def kernel_check_failures(hw: dict) -> dict:
+    """The kinds and dtypes whose first-use check did not pass (:func:`kernels_check`); none on
+    a CPU, where no check runs."""
+    check = hw.get("kernels_check")
+    if check is None:
+        return {}
+    if not isinstance(check, dict):
+        return {"check": check}
+    return {kind: why for kind, why in check.items() if why != "passed"}
 
 
 if __name__ == "__main__":

@@ -199,6 +199,11 @@ def test_tile_rule():
     assert choose_tiles("general", 1, 1024, 4096, 1024, bf16, *h100) == large  # 8 x 32 tiles
     assert choose_tiles("symmetric", 1, 4096, 4096, 14336, fp32, *h100) == CUDA_CANDIDATES["fp32"]
     a100 = choose_tiles("symmetric", 1, 4096, 4096, 14336, bf16, (8, 0), 108)
-    assert (a100.block_m, a100.block_k, a100.num_stages) == (128, 64, 3)  # 164 KiB of shared memory
+    assert (a100.block_m, a100.block_k, a100.num_stages) == (128, 64, 4)  # 98,304 of A100's 166,912 B
+    # the 99 KiB parts (RTX 30/40/50) and a capability the table lacks: 3 stages (65,536 B; 4 would take 98,304)
+    for capability in ((8, 6), (8, 9), (12, 0), (12, 1), (11, 0)):
+        assert choose_tiles("symmetric", 1, 4096, 4096, 14336, bf16, capability, 84).num_stages == 3, capability
+    for capability in ((8, 0), (8, 7), (9, 0), (10, 0), (10, 3)):
+        assert choose_tiles("symmetric", 1, 1024, 1024, 4096, bf16, capability, 132).num_stages == 4, capability
     for tiles in CUDA_CANDIDATES.values():
         assert tiles.block_m == tiles.block_n and min(tiles.block_m, tiles.block_k) >= 16

@@ -41,7 +41,7 @@ def test_the_gpu_tile_configurations_pass_their_check_under_the_interpreter():
 
 def test_the_candidates_are_every_tile_the_rule_can_pick():
     """A tile the rule picks that the check does not compile would run unchecked."""
-    for capability, sms in (((8, 0), 108), ((9, 0), 132), ((10, 0), 148)):
+    for capability, sms in (((8, 0), 108), ((8, 6), 84), ((9, 0), 132), ((10, 0), 148), ((12, 0), 84)):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             picked = {choose_tiles(kind, batch, m, m if kind == "symmetric" else n, k, dtype, capability, sms)
                       for kind, batch, m, n, k in itertools.product(("symmetric", "general"), (1, 4, 64),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .newton_schulz import ns_form_dtypes
-from .ns_kernels import kernels_problem
+from .ns_kernels import kernels_problem, shape_problem
 from .tensors import is_dtensor, local_view
 
 
@@ -107,4 +107,5 @@ def kernels_param_problem(name: str, param: torch.Tensor, group: dict, compute_d
         problem = kernels_problem(mode, device, dtype)
         if problem is not None:
             return f"Muon: parameter '{name}': {problem}"
-    return None
+    problem = shape_problem(mode, param.shape) if mode == "triton" else None  # "auto" runs such sizes on torch
+    return None if problem is None else f"Muon: parameter '{name}': {problem}"

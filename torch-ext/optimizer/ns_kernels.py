@@ -57,6 +57,22 @@ def kernels_problem(mode: str, device: torch.device | str, compute_dtype: torch.
             "use ns_kernels='auto' (the kernels where they run, torch elsewhere) or 'torch'")
 
 
+def shape_problem(mode: str, shape: tuple[int, ...]) -> str | None:
+    """Why ``ns_kernels=mode`` cannot run the Newton–Schulz products of a parameter of ``shape``
+    (its global shape; matrices are the last two dims), or None. Only ``"triton"`` can fail:
+    ``"auto"`` runs a product the kernels cannot address on torch (kernels/addressing.py: 32-bit
+    offsets inside one matrix)."""
+    if check_ns_kernels(mode) != "triton":
+        return None
+    from .kernels.addressing import newton_schulz_problem
+
+    problem = newton_schulz_problem(tuple(shape))
+    if problem is None:
+        return None
+    return (f"ns_kernels='triton' cannot run Newton–Schulz on its {tuple(shape[-2:])} matrices: {problem}; "
+            "use ns_kernels='auto' (torch's matmuls for such matrices) or 'torch'")
+
+
 def resolve(mode: str, device: torch.device, compute_dtype: torch.dtype) -> str:
     """``"triton"`` or ``"torch"``: what one Newton–Schulz call on ``device`` runs. Raises a
     RuntimeError with :func:`kernels_problem`'s reason if ``"triton"`` was asked for and cannot run."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .addressing import product_problem
 from .backend import BACKENDS, available, check_backend, resolve, unavailable_reason
 from .operands import check_product
 from .reference import matmul_add_reference, symmetric_matmul_reference
@@ -59,12 +60,14 @@ def symmetric_matmul(
 
     The Triton kernel computes only the tiles on and below the diagonal. ``"auto"`` uses it on
     CUDA when the result spans at least two tile rows (with one, there is nothing to skip and
-    cuBLAS does the same work); the torch path is :func:`symmetric_matmul_reference`. ``out_dtype``
+    cuBLAS does the same work) and the kernel can address the operands (addressing.py: 32-bit
+    offsets inside a matrix, an output without shared elements; ``"triton"`` refuses the others);
+    the torch path is :func:`symmetric_matmul_reference`. ``out_dtype``
     (default: L's, or ``out``'s) may differ from the operands', e.g. an fp32 Gram matrix of bf16
     X. C is not read when ``beta`` is 0.
     """
     alpha, beta, out_dtype = check_product("symmetric_matmul", L, R, C, alpha, beta, out, out_dtype, symmetric=True)
-    impl = resolve(backend, L.device, L.dtype)
+    impl = _addressable("symmetric_matmul", backend, resolve(backend, L.device, L.dtype), L, R, C, beta, out)
     if impl == "triton" and backend == "auto" and not _spans_two_tile_rows(L):
         impl = "torch"
     if impl == "torch":
@@ -107,15 +110,33 @@ def matmul_add(
 
     ``"auto"`` is torch everywhere: cuBLAS's addmm/baddbmm already fuses the ``beta * C`` term,
     with the same FLOPs and bytes as a Triton kernel (matmul_add_kernel.py says why). ``"triton"`` runs
-    the kernel. C is not read when ``beta`` is 0.
+    the kernel, and refuses operands it cannot address (addressing.py). C is not read when ``beta`` is 0.
     """
     alpha, beta, out_dtype = check_product("matmul_add", L, R, C, alpha, beta, out, out_dtype, symmetric=False)
     impl = resolve(backend, L.device, L.dtype)
+    if impl == "triton" and backend != "auto":
+        impl = _addressable("matmul_add", backend, impl, L, R, C, beta, out)
     if impl == "torch" or backend == "auto":
         return matmul_add_reference(L, R, C, alpha=alpha, beta=beta, out=out, out_dtype=out_dtype)
     from .matmul_add_kernel import matmul_add_triton
 
     return matmul_add_triton(L, R, C, alpha=alpha, beta=beta, out=out, out_dtype=out_dtype)
+
+
+def _addressable(name: str, backend: str, impl: str, L: Tensor, R: Tensor, C: Tensor | None, beta: float,
+                 out: Tensor | None) -> str:
+    """``impl``, or ``"torch"`` under ``"auto"`` where the kernels cannot address the operands
+    (addressing.product_problem); under ``"triton"`` that is a ValueError, raised before anything runs."""
+    if impl != "triton":
+        return impl
+    layout = lambda t: None if t is None else (tuple(t.shape), t.stride())  # noqa: E731
+    problem = product_problem(layout(L), layout(R), layout(C) if beta != 0 else None, layout(out))
+    if problem is None:
+        return impl
+    if backend == "triton":
+        raise ValueError(f"{name}: backend='triton' cannot run this product: {problem}; use backend='auto' "
+                         "(torch's matmul for such operands) or 'torch'")
+    return "torch"
 
 
 def _spans_two_tile_rows(L: Tensor) -> bool:
