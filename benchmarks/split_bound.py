@@ -216,7 +216,7 @@ def expert_bound(params, world: int) -> ExpertBound | None:
     running inside one node counting their members' products, at least c); summed over the node
     and divided by its ranks, that bounds its busiest rank.  The bound is the larger of the two
     maxima; ``lower_bound`` (experts as free units) is the third term the caller takes."""
-    from optimizer.parallel.plan_moves import holder_loads, movable
+    from optimizer.parallel.planning.expert_moves import holder_loads, movable
 
     members = [i for i, p in enumerate(params) if movable(p)]
     if not members:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from optimizer.distributed.layout import MeshGrid, ParamLayout
 from optimizer.newton_schulz import newton_schulz_flops
-from optimizer.parallel.plan import MoveChunk, PlanParam, PlanSettings, build_plan, split_workspace, world_jobs
+from optimizer.parallel.planning.plan import MoveChunk, PlanParam, PlanSettings, build_plan, split_workspace, world_jobs
 from optimizer.parallel.split_newton_schulz import SplitHardware
 from repo import load_benchmark
 

@@ -405,7 +405,7 @@ CASES = {
 
 def _rank(rank, world_size, name):
     from optimizer import Muon, step_context
-    from optimizer.parallel.split_cost import CPU_GLOO, SplitHardware
+    from optimizer.parallel.planning.cut_hardware import CPU_GLOO, SplitHardware
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh_shape, specs, extra = CASES[name]

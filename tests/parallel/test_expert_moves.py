@@ -29,10 +29,10 @@ from dist_cases import (build_groups, make_case_tensors, owned_matrices_of_one_s
 from harness import run_ranks
 from optimizer.distributed.layout import MeshGrid, ParamLayout
 from optimizer.newton_schulz import newton_schulz_flops
-from optimizer.parallel.plan import MoveChunk, PlanParam, PlanSettings, build_plan, world_jobs
-from optimizer.parallel.plan_moves import move_seconds
+from optimizer.parallel.planning.plan import MoveChunk, PlanParam, PlanSettings, build_plan, world_jobs
+from optimizer.parallel.planning.expert_moves import move_seconds
 from optimizer.parallel.split_newton_schulz import CPU_GLOO, SplitHardware
-from optimizer.parallel.split_plan import SplitModel
+from optimizer.parallel.planning.cut_model import SplitModel
 
 ATOL, RTOL = 1e-5, 1e-5  # fp32 rounding of a differently ordered Gram sum (cut units); moved whole: exact
 STEPS = 4
@@ -282,9 +282,9 @@ def test_normuon_v_of_moved_experts_equals_single_device(free):
 
 def test_a_misassigned_expert_block_is_caught(monkeypatch):
     """Hand block 1 of every cut expert block 0's columns (block 0's twice, block 1's never)."""
-    from optimizer.parallel import plan_moves
+    from optimizer.parallel.planning import expert_moves
 
-    real = plan_moves.cut_blocks
+    real = expert_moves.cut_blocks
 
     def wrong(lengths, k):
         rows = list(real(lengths, k))
@@ -292,7 +292,7 @@ def test_a_misassigned_expert_block_is_caught(monkeypatch):
             rows[1] = rows[0]
         return rows
 
-    monkeypatch.setattr(plan_moves, "cut_blocks", wrong)  # the forked ranks inherit it
+    monkeypatch.setattr(expert_moves, "cut_blocks", wrong)  # the forked ranks inherit it
     with pytest.raises(AssertionError):
         _check("fsdp_2", True)
 

@@ -58,7 +58,7 @@ VARIANTS = dict(normuon_beta2=0.9, cautious_wd=True, momentum_dtype=torch.bfloat
 
 def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite, options=None):
     from optimizer import Muon, QKClipConfig, step_context
-    from optimizer.parallel.split_cost import CPU_GLOO, SplitHardware
+    from optimizer.parallel.planning.cut_hardware import CPU_GLOO, SplitHardware
     from torch.distributed.device_mesh import init_device_mesh
 
     if case == "expert_moves":  # moving these tiny experts pays only on a fast link (collectives kept slow: no cut)

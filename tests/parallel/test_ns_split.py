@@ -230,9 +230,9 @@ def test_a_misassigned_block_is_caught(monkeypatch):
     comparison above must fail.  (Moving whole slices between blocks would not be an error:
     Newton–Schulz does not care which columns form a block, as long as gather and scatter
     agree.)"""
-    from optimizer.parallel import plan_rank, split_plan
+    from optimizer.parallel.planning import cut_geometry, rank_view
 
-    real = split_plan.cut_blocks
+    real = cut_geometry.cut_blocks
 
     def wrong(lengths, k):
         rows = list(real(lengths, k))
@@ -240,7 +240,7 @@ def test_a_misassigned_block_is_caught(monkeypatch):
             rows[1] = rows[0]
         return rows
 
-    monkeypatch.setattr(plan_rank, "cut_blocks", wrong)  # the forked ranks inherit it
+    monkeypatch.setattr(rank_view, "cut_blocks", wrong)  # the forked ranks inherit it
     with pytest.raises(AssertionError):
         _check("fsdp_2", qk=False)
 
@@ -323,13 +323,13 @@ QUAD = [(f"w{i}", (64, 160), ["S0"]) for i in range(4)]  # one class of four sam
 
 
 def _mixed_ways(rank, world_size):
-    """A plan with three ways in one class (issue 29, ``split_plan.choose_plan``), forced the same
+    """A plan with three ways in one class (issue 29, ``split_plan.choose_cuts``), forced the same
     on every rank: w0 and w1 paired over ranks 0-1, w2 over all four, w3 whole on rank 3."""
     from optimizer import step_context
-    from optimizer.parallel import plan_world
+    from optimizer.parallel.planning import world as world_part
 
     step_context.split_hardware = lambda device: _fast_link()
-    real = plan_world.choose_plan
+    real = world_part.choose_cuts
 
     def forced(units, world, held=dict, keys=None):
         plan = real(units, world, held, keys)
@@ -338,7 +338,7 @@ def _mixed_ways(rank, world_size):
         assert len(set(keys)) == 1 and all(u.ks == (2, 4) for u in units)  # one class, may go over 2 or 4
         return [2, 2, 4, 1], [0, 0, 0, 3]
 
-    plan_world.choose_plan = forced
+    world_part.choose_cuts = forced
     full, stats = run_distributed(rank, world_size, (world_size,), QUAD, 3, False, with_stats=True)
     return full, stats.split_units
 

@@ -239,7 +239,7 @@ def test_gather_baseline_all_gathers_every_matrix():
 
 
 def _record_schedule(rank, world_size, lookahead):
-    import optimizer.parallel.runtime as pipeline
+    import optimizer.parallel.execution.pipeline as pipeline
     from dist_cases import build_groups, make_case_tensors, parse_placement, to_dtensor
     from optimizer import Muon
     from torch.distributed.device_mesh import init_device_mesh

@@ -31,7 +31,7 @@ from . import settings as options
 from . import state_layout
 from .adamw import adamw_group_step_, step_as_tensor_
 from .checks import check_group_params, kernels_param_problem, param_names_problem
-from .parallel.stats import PipelineStats
+from .parallel.execution.stats import PipelineStats
 from .qk_clip import QKClipReport, log_report
 from .qk_clip.plan import build_qk_clip_plan
 from .roles import RoleRow, RoleTable, decide_torch_style

@@ -29,9 +29,9 @@ from .checks import gradient_problem, kernels_param_problem, param_problem
 from .distributed import agreement, groups
 from .distributed.layout import MeshGrid, ParamLayout
 from .newton_schulz import default_compute_dtype, newton_schulz_flops, ns_io_dtype
-from .parallel.plan import PlanParam, PlanSettings, StepPlan, build_plan
+from .parallel.planning.plan import PlanParam, PlanSettings, StepPlan, build_plan
 from .parallel.split_newton_schulz import SplitHardware, hardware_for
-from .parallel.split_plan import SplitModel, rank_sets
+from .parallel.planning.cut_model import SplitModel, rank_sets
 from .qk_clip.plan import QKClipPlan, build_qk_clip_plan
 from .qk_clip.step import ClipStep, check_layer_gradients, check_step_logits, compute_clip_step, describe_nonfinite
 from .matrix_view import TRANSPOSED_KEY, transposed_for, view_placements, view_shape

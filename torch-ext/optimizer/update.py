@@ -13,8 +13,8 @@ import torch
 
 from .matrix_view import local_matrix, row_state_layout
 from .momentum_progress import MomentumProgress
-from .parallel.runtime import gather_everything, run_parallel_muon
-from .parallel.stats import PipelineStats
+from .parallel.execution.pipeline import gather_everything, run_parallel_muon
+from .parallel.execution.stats import PipelineStats
 from .qk_clip.step import ClipStep
 from .rule import (MatrixStep, NewtonSchulz, OwnerStage, adjust_lr, fused_elementwise, momentum_, momentum_dtype,
                    normuon_on, row_state_dtype, work_dtype)
