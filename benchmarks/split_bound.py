@@ -201,8 +201,8 @@ def _expert_ways(p, shape, nbytes: float, hw, rate: float) -> tuple[float, float
 
 def expert_bound(params, world: int) -> ExpertBound | None:
     """A lower bound on the busiest rank's step (FLOP-equivalents: Newton-Schulz plus the moves'
-    transfers, as ``plan_moves.move_seconds`` prices them) that counts what moving experts held
-    whole costs; None when no parameter's experts may move (``plan_moves.movable``).
+    transfers, as ``expert_moves.move_seconds`` prices them) that counts what moving experts held
+    whole costs; None when no parameter's experts may move (``expert_moves.movable``).
 
     An expert held on rank h (m x n, b bytes on the wire, c its whole cost) may stay home (c on h),
     move whole to any rank, or be cut over k ranks with or without h.  h's step is its products

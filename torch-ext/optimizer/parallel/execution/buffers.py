@@ -22,7 +22,7 @@ def block_at(buffer: torch.Tensor, offset: int, padded: Sequence[int], mine: Seq
 
 
 def block_rows_at(buffer: torch.Tensor, offset: int, padded: Sequence[int], mine: Sequence[int],
-               slots: int) -> torch.Tensor:
+                  slots: int) -> torch.Tensor:
     """The row-state columns of the block at ``offset``, for the real block's rows."""
     block = buffer[offset: offset + math.prod(padded)].view(padded)
     return block[(..., slice(0, mine[-2]), slice(padded[-1] - slots, None))]

@@ -156,7 +156,7 @@ def orthogonalize_owned(flight: Flight, fulls: list[torch.Tensor], steps: Sequen
         # Blocks of cut units first (their group's other owners wait on them), in the unit order
         # every rank shares: each call is a sequence of collectives on its group.  Cut units of one
         # group with the same block, orientation and stage run as one call (their matrices one
-        # batch, whose halves interleave: plan_world.batch_key).  A block's row state (NorMuon's v
+        # batch, whose halves interleave: planning/world.batch_key).  A block's row state (NorMuon's v
         # of its rows) goes in and comes out like a whole unit's; its statistics over the whole
         # matrix are the split stage's own collective.
         calls: dict[tuple, list[int]] = {}

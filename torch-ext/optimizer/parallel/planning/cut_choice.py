@@ -63,7 +63,7 @@ def assign_paired(units: Sequence[CutOptions], ks: Sequence[int], held: dict[int
             continue
         a = items[slot]
         items[slot] = CutOptions(a.cost + u.cost, a.candidates, a.ks,
-                                  lambda c, f=a.member_cost, g=u.member_cost: f(c) + g(c), a.groups, a.forced)
+                                 lambda c, f=a.member_cost, g=u.member_cost: f(c) + g(c), a.groups, a.forced)
         members[slot].append(i)
     owners, loads = assign(items, item_ks, held)
     out = [0] * len(units)
@@ -142,13 +142,12 @@ def _classes(units: Sequence[CutOptions], auto: Sequence[int], ks: Sequence[int]
     return out
 
 
-
 def choose_cuts(units: Sequence[CutOptions], world: int, held: Callable[[], dict[int, float]] = dict,
                 keys: Sequence[object] | None = None) -> tuple[list[int], list[int]] | None:
     """k and owner per unit (the owner as :func:`assign` gives it: a rank for k = 1, else the
     index of its group among ``units[i].groups(k)``), or None when every unit stays whole.
 
-    Two plans: :func:`choose_ks` with :func:`assign_paired` (one k per class of similar units),
+    Two ways of choosing: :func:`choose_ks` with :func:`assign_paired` (one k per class of similar units),
     kept unless the other lowers the busiest rank by at least :data:`MIN_GAIN`, and, with ``keys``,
     :func:`pack_ways` (each unit's way chosen as it is placed, so units of one class may take
     different k: Llama-3-70B at 1,024 ranks needs its q/o over 8 ranks on the groups that hold a

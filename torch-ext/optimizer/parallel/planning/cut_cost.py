@@ -254,7 +254,8 @@ class _Tally:
         self.gram_bytes = batch * s * s * item
         self.gather_bytes = k * batch * -(-s // k) * s * item  # an all-gather of padded rows, the gathered total
         self.flops = [0] * k
-        self.sent, self.comm, self.collectives, self.kernels = 0.0, 0.0, 0, 5  # normalisation: cast, norm, scale, divisions
+        self.sent, self.comm, self.collectives = 0.0, 0.0, 0
+        self.kernels = 5  # normalisation: cast, norm, scale, divisions
         self.chosen: list[str] = []
 
     def gram_all_reduce(self, first: bool) -> None:

@@ -149,4 +149,3 @@ CPU_GLOO = SplitHardware(
 def hardware_for(device: torch.device | str) -> SplitHardware:
     """:data:`CUDA_NVLINK` for CUDA devices, :data:`CPU_GLOO` otherwise."""
     return CUDA_NVLINK if torch.device(device).type == "cuda" else CPU_GLOO
-

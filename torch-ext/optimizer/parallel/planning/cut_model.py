@@ -71,7 +71,6 @@ class SplitModel:
         return self.cost(shape, k, units).time_s * self.hardware.rate(self.dtype) / units
 
 
-
 def auto_ks(model: SplitModel, matrix: Sequence[int], group_size: int) -> tuple[int, ...]:
     """The k (> 1) that ``"auto"`` may pick for a parameter of matrix shape ``[M, N]`` when its
     candidates number ``group_size``: powers of two up to the cap, the group and the long side,
@@ -135,7 +134,6 @@ def movable_layout(layout, ndim: int, model: SplitModel | None) -> bool:
             and layout.shard_group_size == 1 and layout.num_replicas == 1 and bool(layout.batch_dims))
 
 
-
 @dataclass
 class CutOptions:
     """What the choice needs of one unit: its whole cost and candidates, and per k its member
@@ -175,4 +173,3 @@ class CutOptions:
     def at_alone(self, k: int) -> float:
         """Member cost at k > 1 with no partner (``member_cost`` where ``alone`` is not given)."""
         return self.alone(k) if self.alone is not None else self.member_cost(k)
-

@@ -1,6 +1,6 @@
-"""A plan of cuts that chooses each unit's way as it places it (two k's in one class).
+"""Cuts chosen unit by unit as each is placed (two k's in one class).
 
-One k per class misses plans where units of one shape must run two ways (Llama-3-70B's q/o at
+One k per class misses assignments where units of one shape must run two ways (Llama-3-70B's q/o at
 1,024 ranks: docs/scale.md); :func:`pack_ways` places units costliest first, each the way with
 the least rank-time that stays under a target load, the target bisected.
 """
@@ -12,7 +12,7 @@ from typing import NamedTuple, Sequence
 
 from .cut_model import CutOptions
 
-# Bisection steps of :func:`pack_ways`' target between the average load and the class plan's busiest rank.
+# Bisection steps of :func:`pack_ways`' target between the average load and the busiest rank of one k per class.
 PACK_STEPS = 12
 
 
@@ -101,7 +101,7 @@ def _pack(menus: Sequence[_Ways], order: Sequence[int], held: dict[int, float], 
 
 def pack_ways(units: Sequence[CutOptions], world: int, held: dict[int, float], keys: Sequence[object],
               ceiling: float) -> tuple[float, list[int], list[int]]:
-    """A plan that chooses each unit's way as it places it: (busiest rank, k per unit, owner per
+    """Cuts that choose each unit's way as it is placed: (busiest rank, k per unit, owner per
     unit as :func:`choose_cuts` gives them).
 
     Units are taken costliest first (those of one key together, so that two in a row may be
@@ -110,8 +110,8 @@ def pack_ways(units: Sequence[CutOptions], world: int, held: dict[int, float], k
     two as one call) among those whose least loaded rank or group stays under a target load;
     where none does, the way that leaves the least load.  The target is bisected between the
     world's average (every unit at its least rank-time) and ``ceiling`` (the busiest rank of
-    another plan), and the best pass kept: cost linear in the units per pass, PACK_STEPS + 1
-    passes.  Pure: every rank computes the same plan."""
+    another choice), and the best pass kept: cost linear in the units per pass, PACK_STEPS + 1
+    passes.  Pure: every rank computes the same cuts."""
     first: dict[object, int] = {}
     for i, key in enumerate(keys):
         first.setdefault(key, i)
@@ -131,4 +131,3 @@ def pack_ways(units: Sequence[CutOptions], world: int, held: dict[int, float], k
         else:
             low = target
     return best
-

@@ -44,7 +44,7 @@ from .world import TARGET_UNIT_FRACTION, Job, batch_costs, cut_options, cut_unit
 # A holder keeps units while its load stays within this fraction above the ideal share.
 SPILL_SLACK = 0.02
 # How many shares a holder may keep before it spills, spaced geometrically from the ideal share to
-# the busiest holder's load: the plan with the shortest modelled step (Newton-Schulz plus the
+# the busiest holder's load: the way with the shortest modelled step (Newton-Schulz plus the
 # moves' transfers) among them wins.  Keeping more ships fewer bytes; where the links are slow
 # against the products, the best keeps everything (no moves).
 KEEP_LEVELS = 8
@@ -157,7 +157,7 @@ def _spill_ways(units: Sequence[Job], cuts: list[int], options: list[CutOptions]
                 ranks: tuple[int, ...]) -> list[tuple[float, list[int], list[CutOptions]]]:
     """(keep factor, k per unit, where each may go) of every way tried: every keep factor with the
     chosen cuts, then with every unit whole (a cut unit always spills: where the links are slow,
-    keeping it whole at home may be the better plan), then whole units spilled only inside their
+    keeping it whole at home may be the better way), then whole units spilled only inside their
     holder's node (where the links between nodes are the slow ones)."""
     whole = [1] * len(units)
     factors = [spread ** (i / KEEP_LEVELS) for i in range(KEEP_LEVELS)]
@@ -209,7 +209,7 @@ def _move_jobs(units: Sequence[Job], options, chosen: dict[int, tuple[int, int]]
         for j, rank in enumerate(group):
             cut = Cut(dim, k, j)
             jobs.append(Job(u.param, u.batch, u.leading, sub_shape(u.shape, cut, widths[j]), opt.member_cost(k),
-                             ranks, None, rank, cut, group, widths, n, holder=u.holder))
+                            ranks, None, rank, cut, group, widths, n, holder=u.holder))
     return jobs
 
 

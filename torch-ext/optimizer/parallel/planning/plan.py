@@ -5,7 +5,7 @@ as long as the parameters, their placements, which of them have gradients and
 the optimizer's settings stay the same.  So everything that depends only on
 those is worked out here once and cached by ``Muon``; a step then only launches
 collectives with precomputed splits and runs a constant number of kernels per
-matrix (``runtime.py``).
+matrix (``execution/pipeline.py``).
 
 Planning is pure: shapes, placements and the mesh's rank grid in, plain data out;
 every rank computes the same global part (units, owners, chunks) without talking

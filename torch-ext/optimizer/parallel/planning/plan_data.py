@@ -1,7 +1,7 @@
 """The step plan's data: what planning takes in, and what one rank's plan holds (pure data).
 
 The terms (unit, job, pattern, chunk, block, row state, cut) are explained in ``plan.py``, which
-builds these from shapes and placements; ``runtime.py`` runs them.
+builds these from shapes and placements; ``execution/pipeline.py`` runs them.
 """
 
 from __future__ import annotations

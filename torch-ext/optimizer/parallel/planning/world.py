@@ -24,6 +24,7 @@ from .plan_data import PlanParam, PlanSettings
 # A unit is cut into expert ranges no costlier than this fraction of the mean load per owner.
 TARGET_UNIT_FRACTION = 0.1
 
+
 @dataclass
 class Job:
     param: int
@@ -165,7 +166,7 @@ def _cut_units(params: Sequence[PlanParam], jobs: list[Job], world: int, split: 
         for j, rank in enumerate(group):
             cut = Cut(dim, k, j)
             out.append(Job(job.param, job.batch, job.leading, sub_shape(job.shape, cut, widths[j]), cost, group,
-                            job.replica, rank, cut, group, widths, n))
+                           job.replica, rank, cut, group, widths, n))
     return out
 
 
@@ -259,7 +260,7 @@ def classify(params: Sequence[PlanParam], settings: PlanSettings):
 
 
 def pattern_chunks(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool,
-                    held: Callable[[], dict[int, float]] = dict):
+                   held: Callable[[], dict[int, float]] = dict):
     jobs = _pattern_jobs(params, members, settings, split, held)
     chunk_size = settings.chunk_size or len(params[members[0]].layout.grid.ranks)
     order = cut_units_together(jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size), params)
@@ -268,7 +269,7 @@ def pattern_chunks(params: Sequence[PlanParam], members: Sequence[int], settings
 
 
 def held_loads(params: Sequence[PlanParam], local: Sequence[int],
-                movable: Sequence[int] = ()) -> Callable[[tuple[int, ...]], Callable[[], dict[int, float]]]:
+               movable: Sequence[int] = ()) -> Callable[[tuple[int, ...]], Callable[[], dict[int, float]]]:
     """For the pattern on ``ranks``: every rank's Newton-Schulz cost of the DTensor units it
     orthogonalises where it is (experts held whole, replicated weights), and of ``movable`` ones
     as they will be once moved (spread evenly over their mesh: ``expert_moves.py``), computed once,
@@ -327,7 +328,7 @@ def held_loads(params: Sequence[PlanParam], local: Sequence[int],
 
 
 def cut_units_together(jobs: Sequence[Job], order: list[list[int]],
-                        params: Sequence[PlanParam] | None = None) -> list[list[int]]:
+                       params: Sequence[PlanParam] | None = None) -> list[list[int]]:
     """Every block of a cut unit in one chunk (the earliest holding one of them): its owners
     orthogonalise it together.  With ``params``, cut units that the runtime can run in one call
     (:func:`batch_key`) are paired in unit order, the second joining the first's chunk, so that

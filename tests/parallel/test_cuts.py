@@ -302,7 +302,7 @@ def test_sixteen_units_that_run_alone_take_the_k_that_is_fastest_alone():
 
 
 def _runtime_busiest(units, ks, owners, world: int) -> float:
-    """The busiest rank of a plan as the runtime runs it (``plan_world.batch_costs``), written
+    """The busiest rank of a plan as the runtime runs it (``planning/world.batch_costs``), written
     here: a whole unit on its owner; the cut units of one class on one group at one k run two by
     two as one call (each member charged both units' paired cost), an odd one alone."""
     load = [0.0] * world
@@ -372,7 +372,7 @@ def test_a_class_of_same_shape_units_may_take_two_ks(classes, want_ks):
     assert _runtime_busiest(units, class_ks, class_owners, world) > best + 0.1
 
 
-def test_choose_plan_is_never_worse_than_one_k_per_class():
+def test_choose_cuts_is_never_worse_than_one_k_per_class():
     """Random small worlds (costs drawn here): the plan ``choose_cuts`` returns, measured as the
     runtime runs it, never has a busier rank than the class plan (``choose_ks`` with
     ``assign_paired``), and never beats the brute-force optimum (a check of the measurement)."""
