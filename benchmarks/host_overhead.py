@@ -130,11 +130,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     dist.all_reduce = _as_if_every_rank_agreed(dist.all_reduce)
     if args.split == "free":
-        from optimizer import step_context
+        from optimizer.parallel.planning import plan_inputs
         from optimizer.parallel.split_newton_schulz import SplitHardware
 
         free = SplitHardware("free communication", 1e12, 1e12, 1e18, 0.0, torch.float32)
-        step_context.split_hardware = lambda device: free
+        plan_inputs.split_hardware = lambda device: free
     results = []
     for layout in args.layouts:
         for n in args.params:

@@ -80,7 +80,7 @@ def _rank(rank, world, store_path, args, out_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    from optimizer.parallel.plan import ns_workspace
+    from optimizer.parallel.planning.plan import ns_workspace
 
     mesh = init_device_mesh("cpu", (world,))
     shapes = [(256, 256)] * 8 + [(args.experts, 256, 1024)]

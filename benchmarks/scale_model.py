@@ -4,8 +4,8 @@
 
 Nothing runs on a device.  The parameter shapes come from model_shapes.py; the plan
 (units, owners, chunks) is the optimizer's own: every parameter becomes an
-``optimizer.parallel.plan.PlanParam`` with a ``ParamLayout`` on a ``MeshGrid`` of global
-ranks, and ``optimizer.parallel.plan.world_jobs`` (the rank-independent part of
+``optimizer.parallel.planning.plan.PlanParam`` with a ``ParamLayout`` on a ``MeshGrid`` of global
+ranks, and ``optimizer.parallel.planning.plan.world_jobs`` (the rank-independent part of
 ``build_plan``, which every rank runs) says who orthogonalises what and how the
 jobs are cut into chunks.  This file only measures that plan.
 
@@ -30,9 +30,9 @@ Assumptions (stated again in the Markdown output):
   size.  Lower bound (LB) = max(FLOPs the plan runs in the world / world size, its
   largest unit): with "never", R copies are run, so LB is R times the ideal.
 - Busiest rank: its owned jobs plus the units it orthogonalises where they are, plus, where
-  experts held whole move (``ns_split="auto"``, ``plan_moves.py``), its transfers: the blocks it
+  experts held whole move (``ns_split="auto"``, ``expert_moves.py``), its transfers: the blocks it
   sends out and the updates it takes back (or receives and returns), at NVLink inside a node and
-  at its own InfiniBand NIC between nodes, not overlapped (``plan_moves.move_seconds``, in
+  at its own InfiniBand NIC between nodes, not overlapped (``expert_moves.move_seconds``, in
   FLOP-equivalents at the device's rate; they count in chunk 0 of the critical path).  The
   planner keeps moves only where that step beats keeping the experts home.
 - Chunked critical path: ranks meet at every chunk's all-to-alls, so compute time is
@@ -89,14 +89,15 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from model_shapes import ModelShapes, all_models, total_params  # noqa: E402
 from split_bound import expert_bound, lower_bound  # noqa: E402
 from optimizer.distributed.layout import MeshGrid, ParamLayout  # noqa: E402
-from optimizer.step_context import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
+from optimizer.parallel.planning.plan_inputs import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
 from optimizer.newton_schulz import newton_schulz_flops  # noqa: E402
-from optimizer.parallel.owners import chunked_critical_path  # noqa: E402
-from optimizer.parallel.plan_moves import move_bytes, move_seconds  # noqa: E402
-from optimizer.parallel.plan import (PlanParam, PlanSettings, WorldJob, ns_workspace,  # noqa: E402
+from optimizer.parallel.planning.owners import chunked_critical_path  # noqa: E402
+from optimizer.parallel.planning.expert_moves import move_bytes, move_seconds  # noqa: E402
+from optimizer.parallel.planning.plan import (PlanParam, PlanSettings, WorldJob, ns_workspace,  # noqa: E402
                                      split_workspace, world_view)
 from optimizer.parallel.split_newton_schulz import CUDA_NVLINK, SplitHardware  # noqa: E402
-from optimizer.parallel.split_plan import SplitModel, lengths_along, piece_length, sub_shape  # noqa: E402
+from optimizer.parallel.planning.cut_geometry import lengths_along, piece_length, sub_shape  # noqa: E402
+from optimizer.parallel.planning.cut_model import SplitModel  # noqa: E402
 
 TARGET = 1.10
 TARGET_RANKS = (512, 1024)  # issue 10: busiest and critical path <= 1.10x ideal here, MoE models
@@ -121,7 +122,7 @@ MiB = 2**20
 # ns_method="auto" runs the classic form in bf16 or, where it saves FLOPs (long side > 1.5x the
 # short), the Gram form in fp16 with fp16's restart plan (2 + 2 + 1 steps for "fixed": see
 # newton_schulz.choose_ns_form).  Costs are those of the form and dtype auto picks, as the
-# optimizer's are (step_context.ns_cost), and the split's cost model takes the same choice.
+# optimizer's are (parallel/planning/plan_inputs.ns_cost), and the split's cost model takes the same choice.
 NS_DTYPE = None
 NS_DEVICE = "cuda"
 
@@ -231,7 +232,7 @@ class WorldPlan:
     flops: list[float]  # NS matmul FLOPs per rank (a cut unit's block: its member's share, not its time)
     split_sent: list[int]  # bytes per rank sent (= received) in the split iterations' collectives
     split_units: dict  # k -> how many units are cut into k blocks
-    move_s: list[float]  # seconds per rank moving experts out and their updates back (plan_moves.move_seconds)
+    move_s: list[float]  # seconds per rank moving experts out and their updates back (expert_moves.move_seconds)
     move_load: list[float]  # the same in FLOP-equivalents, counted in ``load`` and the critical path
     move_sent: list[int]  # bytes per rank sent in the moves (blocks out, updates back; also in ``sent``)
 
@@ -287,11 +288,11 @@ def measure(params: list[PlanParam], settings: PlanSettings, lookahead: int, sta
     all_chunks: list[list[int]] = []
     piece_cache: dict[tuple, tuple[int, int]] = {}
     for jobs, chunks in patterns:
-        if jobs[0].holder >= 0:  # units held whole, moved (plan_moves.py): blocks travel holder <-> owner
+        if jobs[0].holder >= 0:  # units held whole, moved (expert_moves.py): blocks travel holder <-> owner
             base = len(all_costs)
             _measure_moves(params, jobs, chunks, compute_bytes, load, flops, split_sent, split_units, units,
                            sent, received, world_bytes, chunk_buffers, chunk_exchange, workspace)
-            # the moves' transfers (not overlapped: plan_moves decides on the same figures)
+            # the moves' transfers (not overlapped: expert_moves decides on the same figures)
             model = params[jobs[0].param].split
             for r, t in move_seconds(params, jobs, model.hardware).items():
                 move_s[r] += t
@@ -410,9 +411,9 @@ def _cut_cost(params, j):
 
 def _measure_moves(params, jobs, chunks, compute_bytes, load, flops, split_sent, split_units, units, sent, received,
                    world_bytes, chunk_buffers, chunk_exchange, workspace):
-    """Loads, traffic and buffers of one group of moved units (``plan_moves.py``): each block goes
+    """Loads, traffic and buffers of one group of moved units (``expert_moves.py``): each block goes
     from its holder to its owner whole (no padding) and its update comes back; a rank's buffers
-    per chunk are twice what it sends plus three times what it receives (``plan_moves.move_traffic``)."""
+    per chunk are twice what it sends plus three times what it receives (``expert_moves.move_traffic``)."""
     world = len(load)
     for j in jobs:
         load[j.owner] += j.cost

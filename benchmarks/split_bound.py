@@ -201,8 +201,8 @@ def _expert_ways(p, shape, nbytes: float, hw, rate: float) -> tuple[float, float
 
 def expert_bound(params, world: int) -> ExpertBound | None:
     """A lower bound on the busiest rank's step (FLOP-equivalents: Newton-Schulz plus the moves'
-    transfers, as ``plan_moves.move_seconds`` prices them) that counts what moving experts held
-    whole costs; None when no parameter's experts may move (``plan_moves.movable``).
+    transfers, as ``expert_moves.move_seconds`` prices them) that counts what moving experts held
+    whole costs; None when no parameter's experts may move (``expert_moves.movable``).
 
     An expert held on rank h (m x n, b bytes on the wire, c its whole cost) may stay home (c on h),
     move whole to any rank, or be cut over k ranks with or without h.  h's step is its products
@@ -216,7 +216,7 @@ def expert_bound(params, world: int) -> ExpertBound | None:
     running inside one node counting their members' products, at least c); summed over the node
     and divided by its ranks, that bounds its busiest rank.  The bound is the larger of the two
     maxima; ``lower_bound`` (experts as free units) is the third term the caller takes."""
-    from optimizer.parallel.plan_moves import holder_loads, movable
+    from optimizer.parallel.planning.expert_moves import holder_loads, movable
 
     members = [i for i, p in enumerate(params) if movable(p)]
     if not members:

@@ -138,7 +138,7 @@ def owned_matrices_of_one_step(mesh_shape, specs, **kw):
     """Muon on ``specs`` as DTensors (momentum 0.9, ``kw`` its options), stepped once, and every
     matrix (or block) an owner assembled in that step, as ``[(param name, owned unit, tensor)]``:
     what ``parallel/runtime.finish_gather`` returned, recorded around the call."""
-    import optimizer.parallel.runtime as pipeline
+    import optimizer.parallel.execution.pipeline as pipeline
 
     mesh = init_device_mesh("cpu", mesh_shape)
     params, grads = make_case_tensors(specs, 1)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from optimizer.distributed.layout import MeshGrid, ParamLayout
 from optimizer.newton_schulz import newton_schulz_flops
-from optimizer.parallel.plan import MoveChunk, PlanParam, PlanSettings, build_plan, split_workspace, world_jobs
+from optimizer.parallel.planning.plan import MoveChunk, PlanParam, PlanSettings, build_plan, split_workspace, world_jobs
 from optimizer.parallel.split_newton_schulz import SplitHardware
 from repo import load_benchmark
 
@@ -244,7 +244,7 @@ def test_the_issue_at_1024_ranks(bench, models):
     """Llama-3-70B at 1,024 FSDP ranks: its [28672, 8192] gate/up/down alone were 3.41x the ideal;
     on the calibrated CUDA figures the cost model cuts them over eight ranks, two to a group (each
     pair one call whose halves interleave), and q/o over eight ranks alone beside each pair, the
-    rest paired over four (two k's in one class: ``split_plan.pack_ways``): the busiest rank drops
+    rest paired over four (two k's in one class: ``cut_packing.pack_ways``): the busiest rank drops
     to about 1.48x, still above 1.25x (CUDA's default Gram form in fp16 makes the ideal share 20%
     smaller, the Gram all-reduces not) but at the bound no whole-or-cut plan can beat
     (split_bound.py), within 0.5%."""
@@ -271,7 +271,7 @@ def test_the_issue_at_1024_ranks(bench, models):
 def test_llama3_70b_at_512_ranks_meets_the_target(bench, models):
     """Llama-3-70B at 512 FSDP ranks (issue 29): one k per class left the busiest rank at 1.35x
     (every gate/up/down over 8 ranks, 6 on the busiest group); with each unit's way chosen as it is
-    placed (``split_plan.pack_ways``) every gate/up/down goes paired over 4 ranks (120 of the 128
+    placed (``cut_packing.pack_ways``) every gate/up/down goes paired over 4 ranks (120 of the 128
     groups of 4), beside 112 of the pairs a q/o over 4 alone (0.86x + 0.35x of the ideal share),
     and on the other 32 ranks 32 q/o whole and 16 paired over 4: busiest rank and critical path
     within the 1.25x target, and no lower than the bound (split_bound.py)."""

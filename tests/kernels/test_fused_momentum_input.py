@@ -186,7 +186,7 @@ def old_order():
     """The order before issue 28: ``matrix_steps`` runs the momentum kernel over every fused piece
     (the same call, arguments and backend it made then), and every input is formed afterwards from
     the updated buffer, with nothing left pending."""
-    from optimizer import update
+    import optimizer.step.muon_update as update
     from optimizer.kernels import elementwise
 
     real = update.matrix_steps
@@ -352,7 +352,8 @@ def test_single_device_equals_the_two_pass_order_bitwise(variant):
 
 def test_the_torch_formulas_keep_their_order():
     """``ns_kernels="torch"``: nothing pending, the momentum kernel never runs."""
-    from optimizer import Muon, update
+    import optimizer.step.muon_update as update
+    from optimizer import Muon
 
     w = torch.nn.Parameter(torch.randn(8, 12))
     opt = Muon([w], lr=0.02, ns_kernels="torch")
@@ -404,14 +405,15 @@ CASES = {
 
 
 def _rank(rank, world_size, name):
-    from optimizer import Muon, step_context
-    from optimizer.parallel.split_cost import CPU_GLOO, SplitHardware
+    from optimizer import Muon
+    from optimizer.parallel.planning import plan_inputs
+    from optimizer.parallel.planning.cut_hardware import CPU_GLOO, SplitHardware
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh_shape, specs, extra = CASES[name]
     extra = dict(extra)
     if extra.pop("moves", False):  # moving these tiny experts pays only on a fast link (as test_host_syncs.py)
-        step_context.split_hardware = lambda device: SplitHardware(
+        plan_inputs.split_hardware = lambda device: SplitHardware(
             "test: moves free, collectives slow", CPU_GLOO.bf16_flops, CPU_GLOO.fp32_flops, 1e18, 1.0,
             torch.float32, device="cpu")
     group = {**extra.pop("muon_group", {}), "ns_kernels": "triton"}

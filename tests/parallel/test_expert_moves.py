@@ -1,5 +1,5 @@
 """Experts held whole (``Shard(0)``) moved to, or cut over, ranks that hold none of them
-(``parallel/plan_moves.py``, ``parallel/moves.py``; issue 29).
+(``parallel/planning/expert_moves.py``, ``parallel/execution/move_stages.py``; issue 29).
 
 References, none of them the code under test:
 
@@ -29,10 +29,10 @@ from dist_cases import (build_groups, make_case_tensors, owned_matrices_of_one_s
 from harness import run_ranks
 from optimizer.distributed.layout import MeshGrid, ParamLayout
 from optimizer.newton_schulz import newton_schulz_flops
-from optimizer.parallel.plan import MoveChunk, PlanParam, PlanSettings, build_plan, world_jobs
-from optimizer.parallel.plan_moves import move_seconds
+from optimizer.parallel.planning.plan import MoveChunk, PlanParam, PlanSettings, build_plan, world_jobs
+from optimizer.parallel.planning.expert_moves import move_seconds
 from optimizer.parallel.split_newton_schulz import CPU_GLOO, SplitHardware
-from optimizer.parallel.split_plan import SplitModel
+from optimizer.parallel.planning.cut_model import SplitModel
 
 ATOL, RTOL = 1e-5, 1e-5  # fp32 rounding of a differently ordered Gram sum (cut units); moved whole: exact
 STEPS = 4
@@ -219,9 +219,9 @@ NORMUON = {"normuon_beta2": 0.9, "cautious_wd": True}
 
 
 def _run(rank, world_size, name, free, extra):
-    from optimizer import step_context
+    from optimizer.parallel.planning import plan_inputs
 
-    step_context.split_hardware = lambda device: FREE if free else MOVES
+    plan_inputs.split_hardware = lambda device: FREE if free else MOVES
     mesh_shape, specs = CASES[name]
     full, stats, cut = run_distributed(rank, world_size, mesh_shape, specs, STEPS, True, with_stats=True,
                                        inspect=_cut_expert_blocks, **extra)
@@ -263,9 +263,9 @@ def test_moved_normuon_experts_and_their_v_equal_single_device(free):
 
 
 def _run_state(rank, world_size, free):
-    from optimizer import step_context
+    from optimizer.parallel.planning import plan_inputs
 
-    step_context.split_hardware = lambda device: FREE if free else MOVES
+    plan_inputs.split_hardware = lambda device: FREE if free else MOVES
     mesh_shape, specs = CASES["fsdp_4"]
     _, state = run_distributed(rank, world_size, mesh_shape, specs, STEPS, False, with_state=True, **NORMUON)
     return {n: s["normuon_v"] for n, s in state.items()}
@@ -282,9 +282,9 @@ def test_normuon_v_of_moved_experts_equals_single_device(free):
 
 def test_a_misassigned_expert_block_is_caught(monkeypatch):
     """Hand block 1 of every cut expert block 0's columns (block 0's twice, block 1's never)."""
-    from optimizer.parallel import plan_moves
+    from optimizer.parallel.planning import expert_moves
 
-    real = plan_moves.cut_blocks
+    real = expert_moves.cut_blocks
 
     def wrong(lengths, k):
         rows = list(real(lengths, k))
@@ -292,15 +292,15 @@ def test_a_misassigned_expert_block_is_caught(monkeypatch):
             rows[1] = rows[0]
         return rows
 
-    monkeypatch.setattr(plan_moves, "cut_blocks", wrong)  # the forked ranks inherit it
+    monkeypatch.setattr(expert_moves, "cut_blocks", wrong)  # the forked ranks inherit it
     with pytest.raises(AssertionError):
         _check("fsdp_2", True)
 
 
 def _assembled(rank, world_size):
-    from optimizer import step_context
+    from optimizer.parallel.planning import plan_inputs
 
-    step_context.split_hardware = lambda device: FREE
+    plan_inputs.split_hardware = lambda device: FREE
     mesh_shape, specs = CASES["fsdp_4"]
     return [(n, o.experts, o.split.transpose if o.split is not None else None, full)
             for n, o, full in owned_matrices_of_one_step(mesh_shape, specs) if len(full.shape) == 3]
@@ -331,10 +331,11 @@ def test_owners_receive_columns_of_the_experts_global_update():
 
 
 def _groups_made_in_steps(rank, world_size):
-    from optimizer import Muon, step_context
+    from optimizer import Muon
+    from optimizer.parallel.planning import plan_inputs
     from torch.distributed.device_mesh import init_device_mesh
 
-    step_context.split_hardware = lambda device: FREE
+    plan_inputs.split_hardware = lambda device: FREE
     mesh_shape, specs = CASES["fsdp_4"]
     mesh = init_device_mesh("cpu", mesh_shape)
     params, grads = make_case_tensors(specs, 2)

@@ -57,12 +57,13 @@ VARIANTS = dict(normuon_beta2=0.9, cautious_wd=True, momentum_dtype=torch.bfloat
 
 
 def _watch_step(rank, world_size, case, copies, qk, skip_nonfinite, options=None):
-    from optimizer import Muon, QKClipConfig, step_context
-    from optimizer.parallel.split_cost import CPU_GLOO, SplitHardware
+    from optimizer import Muon, QKClipConfig
+    from optimizer.parallel.planning import plan_inputs
+    from optimizer.parallel.planning.cut_hardware import CPU_GLOO, SplitHardware
     from torch.distributed.device_mesh import init_device_mesh
 
     if case == "expert_moves":  # moving these tiny experts pays only on a fast link (collectives kept slow: no cut)
-        step_context.split_hardware = lambda device: SplitHardware(
+        plan_inputs.split_hardware = lambda device: SplitHardware(
             "test: moves free, collectives slow", CPU_GLOO.bf16_flops, CPU_GLOO.fp32_flops, 1e18, 1.0, torch.float32,
             device="cpu")
 

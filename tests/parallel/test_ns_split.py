@@ -230,9 +230,9 @@ def test_a_misassigned_block_is_caught(monkeypatch):
     comparison above must fail.  (Moving whole slices between blocks would not be an error:
     Newton–Schulz does not care which columns form a block, as long as gather and scatter
     agree.)"""
-    from optimizer.parallel import plan_rank, split_plan
+    from optimizer.parallel.planning import cut_geometry, rank_view
 
-    real = split_plan.cut_blocks
+    real = cut_geometry.cut_blocks
 
     def wrong(lengths, k):
         rows = list(real(lengths, k))
@@ -240,7 +240,7 @@ def test_a_misassigned_block_is_caught(monkeypatch):
             rows[1] = rows[0]
         return rows
 
-    monkeypatch.setattr(plan_rank, "cut_blocks", wrong)  # the forked ranks inherit it
+    monkeypatch.setattr(rank_view, "cut_blocks", wrong)  # the forked ranks inherit it
     with pytest.raises(AssertionError):
         _check("fsdp_2", qk=False)
 
@@ -297,10 +297,10 @@ def _fast_link():
 
 
 def _auto(rank, world_size, specs, fast):
-    from optimizer import step_context
+    from optimizer.parallel.planning import plan_inputs
 
     if fast:
-        step_context.split_hardware = lambda device: _fast_link()
+        plan_inputs.split_hardware = lambda device: _fast_link()
     full, stats = run_distributed(rank, world_size, (world_size,), specs, 3, False, with_stats=True)
     return full, stats.split_units
 
@@ -309,7 +309,7 @@ def _auto(rank, world_size, specs, fast):
 def test_auto_splits_when_there_are_fewer_matrices_than_ranks_and_equals_single_device(fast, specs):
     """Fewer matrices than ranks: "auto" cuts them.  With this CPU's measured gloo figures two
     big matrices on four ranks go over two ranks each; with free communication one goes over all
-    four (test_split_plan.py checks the k).  Every parameter equals single-device Muon."""
+    four (test_cuts.py checks the k).  Every parameter equals single-device Muon."""
     want = run_reference(specs, 3, False)
     results = run_ranks(_auto, 4, specs, fast, timeout=240)
     for got, split_units in results:
@@ -323,13 +323,13 @@ QUAD = [(f"w{i}", (64, 160), ["S0"]) for i in range(4)]  # one class of four sam
 
 
 def _mixed_ways(rank, world_size):
-    """A plan with three ways in one class (issue 29, ``split_plan.choose_plan``), forced the same
+    """A plan with three ways in one class (issue 29, ``cut_choice.choose_cuts``), forced the same
     on every rank: w0 and w1 paired over ranks 0-1, w2 over all four, w3 whole on rank 3."""
-    from optimizer import step_context
-    from optimizer.parallel import plan_world
+    from optimizer.parallel.planning import plan_inputs
+    from optimizer.parallel.planning import world as world_part
 
-    step_context.split_hardware = lambda device: _fast_link()
-    real = plan_world.choose_plan
+    plan_inputs.split_hardware = lambda device: _fast_link()
+    real = world_part.choose_cuts
 
     def forced(units, world, held=dict, keys=None):
         plan = real(units, world, held, keys)
@@ -338,7 +338,7 @@ def _mixed_ways(rank, world_size):
         assert len(set(keys)) == 1 and all(u.ks == (2, 4) for u in units)  # one class, may go over 2 or 4
         return [2, 2, 4, 1], [0, 0, 0, 3]
 
-    plan_world.choose_plan = forced
+    world_part.choose_cuts = forced
     full, stats = run_distributed(rank, world_size, (world_size,), QUAD, 3, False, with_stats=True)
     return full, stats.split_units
 
@@ -355,9 +355,9 @@ def test_one_class_over_two_ks_paired_and_whole_equals_single_device():
             torch.testing.assert_close(got[n], ref, atol=ATOL, rtol=RTOL, msg=lambda m: f"{n}: {m}")
 
 def _auto_hsdp(rank, world_size):
-    from optimizer import step_context
+    from optimizer.parallel.planning import plan_inputs
 
-    step_context.split_hardware = lambda device: _fast_link()
+    plan_inputs.split_hardware = lambda device: _fast_link()
     full, stats = run_distributed(rank, world_size, (2, 2), [("w", (256, 1024), ["R", "S0"])], 3, False,
                                   with_stats=True, replica_split="always")
     return full, stats.split_units, stats.all_gathers
@@ -556,10 +556,11 @@ def test_changing_the_option_between_steps_replans():
 
 def _late_auto(rank, world_size):
     from dist_cases import OPT_KW
-    from optimizer import Muon, step_context
+    from optimizer import Muon
+    from optimizer.parallel.planning import plan_inputs
     from torch.distributed.device_mesh import init_device_mesh
 
-    step_context.split_hardware = lambda device: _fast_link()
+    plan_inputs.split_hardware = lambda device: _fast_link()
     mesh = init_device_mesh("cpu", (world_size,))
     params, grads = make_case_tensors(LATE_SPECS, 2)
     named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from optimizer.parallel.owners import assign_owners, assign_owners_among, chunk_order, chunked_critical_path
+from optimizer.parallel.planning.owners import assign_owners, assign_owners_among, chunk_order, chunked_critical_path
 
 
 def rank_loads(owners, costs, num_ranks):

@@ -59,7 +59,7 @@ CASES = {
         ("layers.1.attention.wk.weight", K, ["S1"]),
     ]),
     "experts_split": ((4,), [
-        # a few dominant expert weights: owners.plan_units splits them into expert ranges
+        # a few dominant expert weights: world.expert_units splits them into expert ranges
         ("layers.0.moe.w1", (8, 12, 16), ["S1"]),
         ("layers.0.moe.w2", (8, 16, 12), ["S2"]),
         ("a", (6, 5), ["S0"]),
@@ -239,7 +239,7 @@ def test_gather_baseline_all_gathers_every_matrix():
 
 
 def _record_schedule(rank, world_size, lookahead):
-    import optimizer.parallel.runtime as pipeline
+    import optimizer.parallel.execution.pipeline as pipeline
     from dist_cases import build_groups, make_case_tensors, parse_placement, to_dtensor
     from optimizer import Muon
     from torch.distributed.device_mesh import init_device_mesh

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from optimizer.distributed.layout import MeshGrid, ParamLayout
 from optimizer.newton_schulz import newton_schulz_flops, zeropower_via_newtonschulz
-from optimizer.parallel.plan import PlanParam, PlanSettings, build_plan, world_jobs
+from optimizer.parallel.planning.plan import PlanParam, PlanSettings, build_plan, world_jobs
 
 
 def _cost(shape):

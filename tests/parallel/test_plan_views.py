@@ -24,9 +24,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 from optimizer.distributed.layout import MeshGrid, ParamLayout
 from optimizer.newton_schulz import newton_schulz_flops
-from optimizer.parallel.plan import Chunk, MoveChunk, PlanParam, PlanSettings, build_plan, world_jobs
+from optimizer.parallel.planning.plan import Chunk, MoveChunk, PlanParam, PlanSettings, build_plan, world_jobs
 from optimizer.parallel.split_newton_schulz import CPU_GLOO, SplitHardware
-from optimizer.parallel.split_plan import SplitModel
+from optimizer.parallel.planning.cut_model import SplitModel
 
 FREE = SplitHardware("test: free communication", 1e12, 1e12, 1e18, 1e-12, torch.float32)
 # Links so slow that nothing moves or is cut: the whole matrices are only owned around held loads.

@@ -128,12 +128,13 @@ def _fake_world(world: int, rank: int, monkeypatch):
     from torch.distributed.tensor import DTensor, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from optimizer import Muon, step_context
+    from optimizer import Muon
+    from optimizer.parallel.planning import plan_inputs
     from optimizer.distributed.placements import local_indices
     from optimizer.parallel.split_newton_schulz import SplitHardware
 
     free = SplitHardware("test: free communication", 1e12, 1e12, 1e18, 1e-12, torch.float32)
-    monkeypatch.setattr(step_context, "split_hardware", lambda device: free)
+    monkeypatch.setattr(plan_inputs, "split_hardware", lambda device: free)
     real_all_reduce, real_new_group = dist.all_reduce, dist.new_group
 
     def agreed(t, op=dist.ReduceOp.SUM, group=None, async_op=False):  # the fake group moves no data:

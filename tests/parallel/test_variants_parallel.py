@@ -207,14 +207,14 @@ def test_a_bf16_wire_carries_fp32_v_exactly():
 
 
 def _broken(rank, world_size, breakage, name):
-    import optimizer.parallel.runtime as runtime
+    import optimizer.parallel.execution.chunk_stages as stages
 
     if breakage == "wrong rows of v":  # the owner assembles v with the rows reversed
-        original = runtime._assemble_rows
-        runtime._assemble_rows = lambda blocks, o: original(blocks, o).flip(-2)
+        original = stages.assemble_rows
+        stages.assemble_rows = lambda blocks, o: original(blocks, o).flip(-2)
     elif breakage == "v not returned":  # the scatter sends zeros in v's columns
-        original_cut = runtime._cut_rows
-        runtime._cut_rows = lambda rows, o: torch.zeros_like(original_cut(rows, o))
+        original_cut = stages.cut_rows
+        stages.cut_rows = lambda rows, o: torch.zeros_like(original_cut(rows, o))
     elif breakage == "v stays local":  # every rank keeps its v as it was (never written back)
         import optimizer.rule as rule
 

@@ -1,5 +1,5 @@
 """QK-clip: configuration, name classification and the report (the per-row rule and the per-step
-math are tested in test_qk_clip_plan.py, test_qk_clip_mla.py and test_qk_clip_fused.py)."""
+math are tested in test_qk_clip_head_map.py, test_qk_clip_mla.py and test_qk_clip_fused.py)."""
 
 import logging
 

@@ -11,7 +11,7 @@ import torch
 
 from optimizer.attention_layouts import FusedQKV
 from optimizer.qk_clip import QKClipConfig
-from optimizer.qk_clip.plan import build_qk_clip_plan
+from optimizer.qk_clip.head_map import build_head_map
 from optimizer.qk_clip.step import apply_clip_, compute_clip_step
 from test_attention_layouts import fuse_by_loops
 
@@ -45,10 +45,10 @@ def test_fused_clip_equals_separate_clip(layout, n_q, n_kv):
         sep_params += [(f"layers.{layer}.attention.wq.weight", tuple(wq.shape), True, 0),
                        (f"layers.{layer}.attention.wk.weight", tuple(wk.shape), True, 0),
                        (f"layers.{layer}.attention.wv.weight", tuple(wv.shape), True, 0)]
-    sep_plan = build_qk_clip_plan(QKClipConfig(head_dim=d, threshold=T), sep_params)
+    sep_plan = build_head_map(QKClipConfig(head_dim=d, threshold=T), sep_params)
     fused_cfg = QKClipConfig(threshold=T, fused_qkv=FusedQKV(n_q, n_kv, d, layout))
     fused_shape = ((n_q + 2 * n_kv) * d, hidden)
-    fused_plan = build_qk_clip_plan(fused_cfg, [(f"layers.{layer}.attention.qkv_linear.wqkv.weight", fused_shape, True, 0)
+    fused_plan = build_head_map(fused_cfg, [(f"layers.{layer}.attention.qkv_linear.wqkv.weight", fused_shape, True, 0)
                                                 for layer in (0, 1)])
     sep_step = compute_clip_step(sep_plan, logits, "cpu")
     fused_step = compute_clip_step(fused_plan, logits, "cpu")

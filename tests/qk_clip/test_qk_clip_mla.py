@@ -21,7 +21,7 @@ from harness import run_ranks
 from optimizer.attention_layouts import MLAHeads
 from optimizer.max_logits import eager_max_logits
 from optimizer.qk_clip import QKClipConfig
-from optimizer.qk_clip.plan import build_qk_clip_plan
+from optimizer.qk_clip.head_map import build_head_map
 from optimizer.qk_clip.step import apply_clip_, compute_clip_step
 
 DIM, H, NOPE, ROPE, V, KV_RANK, Q_RANK = 32, 4, 8, 4, 6, 10, 12
@@ -123,7 +123,7 @@ def test_mla_clip_matches_kimi_k2_and_caps_logits(q_lora):
     kv_name = "layers.0.attention.wkv_b.weight"
     cfg = QKClipConfig(threshold=threshold, mla=MLAHeads(NOPE, ROPE, V))
     params = [(n, tuple(w.shape), w.ndim == 2, 0 if w.ndim == 2 else 1) for n, w in weights.items()]
-    plan = build_qk_clip_plan(cfg, params)
+    plan = build_head_map(cfg, params)
     assert set(plan.weights) == {q_name, kv_name}
     step = compute_clip_step(plan, {0: logits}, "cpu")
     clipped = {n: w.clone() for n, w in weights.items()}
@@ -157,7 +157,7 @@ def _sharded_mla_rank(rank, world_size, q_lora):
     logits = explicit_head_max(q, k, SCALE)
     threshold = float(logits.sort().values[1]) * 1.01
     cfg = QKClipConfig(threshold=threshold, mla=MLAHeads(NOPE, ROPE, V))
-    plan = build_qk_clip_plan(cfg, [(n, tuple(w.shape), w.ndim == 2, 0) for n, w in weights.items()])
+    plan = build_head_map(cfg, [(n, tuple(w.shape), w.ndim == 2, 0) for n, w in weights.items()])
     step = compute_clip_step(plan, {0: logits}, "cpu")
     mesh1 = init_device_mesh("cpu", (world_size,))
     checked = []

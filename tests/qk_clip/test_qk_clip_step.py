@@ -2,7 +2,7 @@
 no hang, parameters and optimizer state untouched.
 
 Construction-time problems (pairs, head counts, duplicates, AdamW groups, 3-D weights)
-are tested in test_qk_clip_plan.py; these are the ones only a step can see.
+are tested in test_qk_clip_head_map.py; these are the ones only a step can see.
 """
 
 from __future__ import annotations

@@ -490,10 +490,10 @@ def test_the_rule_ends_a_segment_before_q_leaves_the_range():
 def test_io_dtype_and_the_wire():
     """fp16 reads and returns bf16 for wider inputs (fp32's range on the wire), its own 16-bit
     dtypes as they are; every other compute dtype is its own. The pieces parallel Muon sends are
-    exactly that (step_context.wire_dtype), so the owner and one device see the same numbers."""
+    exactly that (plan_inputs.wire_dtype), so the owner and one device see the same numbers."""
     from types import SimpleNamespace
 
-    from optimizer.step_context import wire_dtype
+    from optimizer.parallel.planning.plan_inputs import wire_dtype
 
     f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
     assert [ns_io_dtype(d, f16) for d in (f64, f32, bf16, f16)] == [bf16, bf16, bf16, f16]

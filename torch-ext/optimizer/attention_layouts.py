@@ -11,7 +11,7 @@ attention module reshapes those features into heads.  How it does so differs bet
 
 A :class:`RowLayout` records, for every *global* row of one weight, its :class:`Part` and its head
 (the query head for query parts, the key/value head for key and value parts).  QK-clip turns
-that into per-row scales (``qk_clip/plan.py``); split orthogonalisation turns it into row blocks
+that into per-row scales (``qk_clip/head_map.py``); split orthogonalisation turns it into row blocks
 (``row_blocks.py``).  Everything here is pure: shapes and integers in, CPU LongTensors out.
 
 Head ``h`` of ``n_q`` query heads uses key/value head ``h // (n_q // n_kv)`` (grouped-query

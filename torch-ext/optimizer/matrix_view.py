@@ -21,7 +21,9 @@ from collections.abc import Mapping, Sequence
 from torch import Tensor
 from torch.distributed.tensor.placement_types import Placement, Shard
 
+from .distributed.layout import MeshGrid, ParamLayout
 from .distributed.placements import is_strided_shard, row_placements
+from .tensors import is_dtensor
 
 TRANSPOSED_KEY = "muon_transposed"
 
@@ -87,3 +89,36 @@ def row_state_layout(shape: Sequence[int], placements: Sequence[Placement],
     if not placements:
         return rows_shape, ()
     return rows_shape, row_placements(view_placements(placements, len(shape), transposed), len(shape))
+
+
+class LayoutCache:
+    """One :class:`ParamLayout` per distinct (mesh, shape, placements) as Muon reads it, shared by
+    the optimizer's step contexts: the plan caches index math by layout object, and models repeat
+    a few shapes."""
+
+    def __init__(self):
+        self._grids: dict[object, MeshGrid] = {}
+        self._layouts: dict[tuple, ParamLayout] = {}
+
+    def grid(self, mesh) -> MeshGrid:
+        hit = self._grids.get(mesh)
+        if hit is None:
+            hit = self._grids[mesh] = MeshGrid.of(mesh)
+        return hit
+
+    def of(self, p, transposed: bool = False) -> ParamLayout:
+        """The layout of ``p`` as Muon reads it (transposed: the DTensor's transpose)."""
+        shape = view_shape(p.shape, transposed)
+        placements = view_placements(p.placements, p.dim(), transposed)
+        key = (p.device_mesh, shape, placements)
+        hit = self._layouts.get(key)
+        if hit is None:
+            hit = self._layouts[key] = ParamLayout(shape, self.grid(p.device_mesh), placements)
+        return hit
+
+    def local_rows(self, p, transposed: bool, rank: int) -> slice | Tensor:
+        """Global rows (of the matrix view) of ``rank``'s piece of ``p``."""
+        if not is_dtensor(p):
+            return slice(0, view_shape(p.shape, transposed)[0])
+        layout = self.of(p, transposed)
+        return layout.indices(layout.grid.coordinate(rank))[0]

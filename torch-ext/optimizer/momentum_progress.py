@@ -12,7 +12,7 @@ its region's momentum itself; :meth:`MomentumProgress.finish` returns what is le
 pipeline.
 
 What it tracks: parts done as disjoint ranges along one dim (``dim``), each region a tuple of
-basic slices (``parallel.plan_types.Region``).  A region that is the whole piece, or a slab along
+basic slices (``parallel.planning.plan_data.Region``).  A region that is the whole piece, or a slab along
 that dim disjoint from the parts done, is fused (one pass updates and forms it); a region already
 done only reads; anything else (a box, a slab along another dim, a partial overlap) first brings
 every part still pending up to date, so the buffer is read as this step's.  The runtime's regions

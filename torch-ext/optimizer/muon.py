@@ -7,12 +7,13 @@ matrices.  AdamW groups hold everything else (norms, biases, embeddings, the out
 Parameters may be plain tensors or DTensors with any placements (FSDP2, HSDP, TP, their
 combinations, auto-sharding solver plans, ``_StridedShard``, uneven shards).  A step is:
 
-  1. this rank's view of the step (``step_context.py``): its problems, QK-clip's values;
+  1. this rank's view of the step (``step/context.py``): its problems, QK-clip's values;
   2. one all-reduce in which every rank agrees on everything that could differ between ranks
-     (``distributed/agreement.py``): then all proceed, skip, or raise the same error;
+     (``step/agreement.py``, ``distributed/agreement.py``): then all proceed, skip, or raise the
+     same error;
   3. AdamW for the AdamW groups (``adamw.py``);
-  4. Muon (``update.py``): the update rule (``rule.py``) run over the cached step plan
-     (``parallel/plan.py``) by the runtime (``parallel/runtime.py``).
+  4. Muon (``step/muon_update.py``): the update rule (``rule.py``) run over the cached step plan
+     (``parallel/planning/plan.py``) by the runtime (``parallel/execution/pipeline.py``).
 
 Every option is declared once, in ``settings.py``; this class only wires them to torch's
 ``Optimizer`` (groups, state dicts, pickling).
@@ -31,14 +32,17 @@ from . import settings as options
 from . import state_layout
 from .adamw import adamw_group_step_, step_as_tensor_
 from .checks import check_group_params, kernels_param_problem, param_names_problem
-from .parallel.stats import PipelineStats
+from .matrix_view import LayoutCache
+from .named_params import named_params
+from .parallel.execution.stats import PipelineStats
+from .parallel.planning.process_groups import create_process_groups
 from .qk_clip import QKClipReport, log_report
-from .qk_clip.plan import build_qk_clip_plan
+from .qk_clip.head_map import build_head_map, qk_params
 from .roles import RoleRow, RoleTable, decide_torch_style
 from .row_blocks import ROW_BLOCKS_KEY, resolve_row_blocks, spec_for
 from .settings import MuonSettings
-from .step_context import Layouts, StepContext, context_key, create_process_groups, entries_of, qk_params, rank
-from .update import muon_update
+from .step.context import StepContext, context_key, rank
+from .step.muon_update import muon_update
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +72,14 @@ class Muon(Optimizer):
         self.last_step_skipped = False
         #: timing and traffic of the last step's parallel pipeline
         self.last_step_stats = PipelineStats()
-        self._layouts = Layouts()
+        self._layouts = LayoutCache()
         self._building = True
         super().__init__(params, options.torch_defaults(self.group_defaults))
         self._building = False
         # Everything QK-clip needs that names and shapes can tell is checked now, before
         # any state exists (pairs, head counts, one weight per layer and role, Muon groups).
         if self.settings.qk_clip is not None:
-            build_qk_clip_plan(self.settings.qk_clip, qk_params(entries_of(self.param_groups), self.param_groups))
+            build_head_map(self.settings.qk_clip, qk_params(named_params(self.param_groups)))
         self._create_process_groups(self.param_groups)
 
     # ------------------------------------------------------------------ groups
@@ -109,14 +113,14 @@ class Muon(Optimizer):
 
     def _check_group(self, index: int) -> None:
         """Every option of ``param_groups[index]`` and what its parameters allow; raises ValueError
-        naming the group and the option (shapes as Muon reads them: ``Entry.shape``, the ``[out, in]``
+        naming the group and the option (shapes as Muon reads them: ``NamedParam.shape``, the ``[out, in]``
         view of a ``muon_transposed`` weight, as the step resolves them)."""
         group, where = self.param_groups[index], f"param_groups[{index}]"
         problem = param_names_problem(group, where)
         if problem:
             raise ValueError(problem)
         options.check_group(group, where)
-        entries = [e for e in entries_of(self.param_groups) if e.group == index]
+        entries = [e for e in named_params(self.param_groups) if e.group == index]
         check_group_params(group, [e.name for e in entries])
         for e in entries:
             problem = kernels_param_problem(e.name, e.param, group, self.settings.compute_dtype, adding=True)
@@ -190,7 +194,7 @@ class Muon(Optimizer):
         self.last_step_stats = stats
 
     def _agree(self, qk_logits, closure_error):
-        """This rank's view of the step, then the one all-reduce (see ``step_context.py``)."""
+        """This rank's view of the step, then the one all-reduce (see ``step/context.py``)."""
         context, problems = self._context()
         facts = context.local_facts(qk_logits, closure_error, self.settings.skip_nonfinite, problems)
         outcome = context.agree(facts, options.digest(self.settings, self.param_groups),
@@ -227,7 +231,7 @@ class Muon(Optimizer):
         fresh = cached is None or cached.key != key
         problems = group_problems(self.param_groups, plan_options=fresh)
         if fresh:
-            cached = StepContext(key, entries_of(self.param_groups), self.settings, self.param_groups, self._layouts,
+            cached = StepContext(key, named_params(self.param_groups), self.settings, self.param_groups, self._layouts,
                                  rank(), planned=not problems)
             if not problems:
                 self._cached_context = cached
@@ -240,7 +244,7 @@ class Muon(Optimizer):
         carries the layout version and QK-clip settings; row blocks as plain strings)."""
         self._stamp_layout()
         return state_layout.with_plain_row_blocks(super().state_dict(), self.param_groups,
-                                                  [e.name for e in entries_of(self.param_groups)])
+                                                  [e.name for e in named_params(self.param_groups)])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict`, torch.distributed.checkpoint, or
@@ -275,7 +279,7 @@ class Muon(Optimizer):
         self.__dict__.setdefault("qk_clip_report", None)
         self.__dict__.setdefault("last_step_skipped", False)
         self.__dict__.setdefault("last_step_stats", PipelineStats())
-        self.__dict__.setdefault("_layouts", Layouts())
+        self.__dict__.setdefault("_layouts", LayoutCache())
         self.__dict__.pop("_cached_context", None)  # rebuilt for this process's parameters
 
 

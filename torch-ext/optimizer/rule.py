@@ -22,7 +22,7 @@ changes where the momentum is stored: every stage computes in the wider dtype.
 
 Everything elementwise works unchanged on a local shard, so momentum, weight decay, the update
 and QK-clip run where the pieces are; only Newton–Schulz needs whole matrices.  The parallel
-runtime (``parallel/runtime.py``) moves the pieces and calls a :class:`MatrixStep`'s stages:
+runtime (``parallel/execution/pipeline.py``) moves the pieces and calls a :class:`MatrixStep`'s stages:
 ``input_into`` (a piece of X), ``row_state_into`` (its rows of v), ``orthogonalize`` (the owner's
 stage), ``apply_update`` and ``scale_rows``.  The single-device path and the gather baseline call
 the same stages.

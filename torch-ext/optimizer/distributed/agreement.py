@@ -87,11 +87,7 @@ def agree(
     names = sorted(facts)
     host = [name for name in names if not torch.is_tensor(facts[name])]
     on_device = [name for name in names if torch.is_tensor(facts[name])]
-    parts = [_to_device(torch.tensor(header + [int(facts[k]) for k in host], dtype=torch.int64), device)]
-    parts += [facts[k].to(device=device, dtype=torch.int64, non_blocking=True).reshape(1) for k in on_device]
-    d = device_digest.to(device=device, dtype=torch.int64, non_blocking=True).reshape(1)
-    parts += [d, d * d]
-    vector = torch.cat(parts)
+    vector = _fact_vector(header, [int(facts[k]) for k in host], [facts[k] for k in on_device], device_digest, device)
     if group is not None:
         dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
     totals = vector.tolist()  # the step's one read-back
@@ -112,6 +108,17 @@ def agree(
     k += len(names)
     same_digest = totals[k] ** 2 == n * totals[k + 1]
     return Outcome(n, grad_counts, counts, same_digest)
+
+
+def _fact_vector(header: list[int], host: list[int], on_device: list[torch.Tensor], device_digest: torch.Tensor,
+                 device: torch.device) -> torch.Tensor:
+    """The vector the ranks sum: the header and host facts copied in without waiting, the device
+    facts where they are, then the device digest and its square."""
+    parts = [_to_device(torch.tensor(header + host, dtype=torch.int64), device)]
+    parts += [t.to(device=device, dtype=torch.int64, non_blocking=True).reshape(1) for t in on_device]
+    d = device_digest.to(device=device, dtype=torch.int64, non_blocking=True).reshape(1)
+    parts += [d, d * d]
+    return torch.cat(parts)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

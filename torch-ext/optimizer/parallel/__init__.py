@@ -1,9 +1,10 @@
-"""Parallel Muon: who orthogonalises what, and the runtime that moves the pieces.
+"""Parallel Muon: who orthogonalises what (``planning/``), and the runtime that does it (``execution/``).
 
-- ``plan``     the step plan (pure: shapes, placements and the mesh's rank grid in; owners,
-               chunks and every piece's place in every buffer out), computed once and cached;
-- ``owners``   longest-job-first owner assignment and chunk cutting (pure numbers);
-- ``runtime``  the four stages (gather, orthogonalize, scatter, update) over the plan's chunks,
-               calling the update rule's stages (``optimizer.rule``) on every piece;
-- ``stats``    what the last step's pipeline did (seconds per stage, bytes, collectives).
+- ``planning/``   pure: shapes, placements and the mesh's rank grid in, the step plan out (who
+                  owns which unit, every buffer offset, which units are cut over k ranks or moved),
+                  computed once per step context and cached;
+- ``execution/``  the pipeline that runs a plan: gather, orthogonalize, scatter, update, per chunk,
+                  calling the update rule's stages (``optimizer.rule.MatrixStep``) on every piece;
+- ``split_newton_schulz.py``, ``split_products.py``  the Newton–Schulz iteration of one unit cut
+                  over k ranks (the execution of a cut).
 """

@@ -148,25 +148,22 @@ from ..newton_schulz import (
     resolve_ns_coefficients,
 )
 from ..ns_kernels import check_ns_kernels
-from .split_cost import (
+from .planning.cut_cost import (
     B_SPLITS,
-    CPU_GLOO,
-    CUDA_NVLINK,
     RECURSIONS,
     SplitCost,
-    SplitHardware,
     check_b_split,
     check_recursion,
     choose_b_split,
     choose_recursion,
     choose_split_ranks,
     column_blocks,
-    hardware_for,
     row_block,
     split_critical_path,
     split_ns_cost,
     wide_dtype,
 )
+from .planning.cut_hardware import CPU_GLOO, CUDA_NVLINK, SplitHardware, hardware_for
 from .split_products import cut_products
 
 __all__ = [

@@ -1,9 +1,10 @@
 """QK-clip (MuonClip): cap attention logits by scaling the query and key projections' rows.
 
-- ``config``  what the user declares: :class:`QKClipConfig` and the name rules;
-- ``plan``    the static plan: which rows of which weight belong to which head (built once);
-- ``step``    per step, on the device: check the logits, build the scale table, scale rows;
-- ``report``  what a step did (:class:`QKClipReport`), read from the device only when asked.
+- ``config``        what the user declares: :class:`QKClipConfig` and the name rules;
+- ``head_map``      which rows of which weight belong to which head, and their scale-table slots (built once);
+- ``logits_checks`` one step's ``qk_logits`` checked before the ranks agree, and after;
+- ``step``          per step, on the device: the scale table, each weight's local row slots, the scaling;
+- ``report``        what a step did (:class:`QKClipReport`), read from the device only when asked.
 """
 
 from .config import LayerKey, QKClipConfig, QKRole, classify_qk_param, config_from_record, config_record, \

@@ -5,11 +5,11 @@ forward pass exceeded ``threshold``, the rows of the weights that produce the he
 key are scaled so that the logit shrinks by ``gamma = threshold / max_logit``: ``sqrt(gamma)``
 on each side for ordinary heads.  With grouped-query attention a key head serves several query
 heads and takes the strongest clip of its group.  MLA (DeepSeek-V3, Kimi K2) and fused QKV
-weights are described in ``attention_layouts.py``; the per-row rule is in ``plan.py``.
+weights are described in ``attention_layouts.py``; the per-row rule is in ``head_map.py``.
 
 This module holds the user-facing configuration: :class:`QKClipConfig`, its savable record and
-the name rules that classify weights.  ``plan.py`` turns a config and the parameters into a
-static plan, ``step.py`` does the per-step device math, ``report.py`` says what a step did.
+the name rules that classify weights.  ``head_map.py`` turns a config and the parameters into a
+head map, ``step.py`` does the per-step device math, ``report.py`` says what a step did.
 """
 
 from __future__ import annotations

@@ -1,128 +1,49 @@
-"""QK-clip per step, on the device: check the logits, build the scale table, scale rows.
+"""QK-clip per step, on the device: this step's scale table, each weight's local row slots, the scaling.
 
-Everything here runs without host synchronisation: :func:`check_step_logits` checks
-``qk_logits``' metadata (keys, shapes, dtypes, devices) and returns messages instead of raising,
-so the caller can agree across ranks first; :func:`compute_clip_step` builds the step's scale
-table and a 0-d "some logit is NaN/+inf" flag in a constant number of kernels; :func:`apply_clip_`
-scales a local shard (one gather, one multiply).  The report keeps device tensors and reads them
-only when the user asks.  The table's layout is in ``plan.py``.
+Everything here runs without host synchronisation: :func:`step_clip` checks ``qk_logits``
+(``logits_checks.py``) and builds the step's scale table and a 0-d "some logit is NaN/+inf"
+flag in a constant number of kernels (:func:`compute_clip_step`); :class:`ClipRowSlots` gives a
+weight's local rows their table slots, once per placement; :func:`apply_clip_` scales a local
+shard (one gather, one multiply).  The report keeps device tensors and reads them only when the
+user asks.  The table's layout is in ``head_map.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from .config import layer_sort_key
-from .plan import QKClipPlan
+from .head_map import HeadMap
+from .logits_checks import check_layer_gradients, check_step_logits, nonfinite_flag
 from .report import QKClipReport
-
-
-def check_step_logits(plan: QKClipPlan | None, qk_logits, device: torch.device | str | None) -> list[str]:
-    """Problems with one step's ``qk_logits`` (metadata only: no host synchronisation).
-
-    Returns messages instead of raising, so the caller can agree across ranks first.  Checks:
-    a mapping; keys are int/str layer keys; exactly the plan's layers (a layer left out would
-    silently go unclipped); per layer a floating 1-D tensor with one value per query head, on
-    ``device`` (the device of the weights it clips; None skips that check).
-    """
-    if qk_logits is None:
-        return []
-    if plan is None:
-        return ["Muon.step: qk_logits was passed but QK-clip is not configured; pass "
-                "qk_clip=QKClipConfig(...) to Muon, or stop passing qk_logits."]
-    if not isinstance(qk_logits, Mapping):
-        return [f"Muon.step: qk_logits must be a dict {{layer: 1-D tensor of per-query-head max logits}}, "
-                f"got {type(qk_logits).__name__}"]
-    errors = []
-    bad_keys = [k for k in qk_logits if isinstance(k, bool) or not isinstance(k, (int, str))]
-    if bad_keys:
-        return [f"Muon.step: qk_logits keys must be int or str layer keys (as in 'layers.3.' -> 3), got {bad_keys!r}"]
-    extra = [k for k in qk_logits if k not in plan.layers]
-    missing = [k for k in plan.layers if k not in qk_logits]
-    if extra:
-        errors.append(
-            f"Muon.step: qk_logits has layers {sorted(extra, key=layer_sort_key)} that QK-clip does not know; its "
-            f"layers are {list(plan.layers)} ({plan.describe()}). Pass logits only for those layers, or adjust "
-            "QKClipConfig patterns/classify."
-        )
-    if missing:
-        errors.append(
-            f"Muon.step: qk_logits has no entry for layers {missing}, which would go unclipped; pass every "
-            f"layer's per-head max logits ({len(plan.layers)} layers), or leave a layer out of QK-clip with "
-            "QKClipConfig.classify returning None for its weights."
-        )
-    want_device = None if device is None else torch.device(device)
-    for layer, heads in plan.layers.items():
-        if layer not in qk_logits:
-            continue
-        t = qk_logits[layer]
-        where = f"qk_logits[{layer!r}] (for {', '.join(repr(w) for w in heads.weights)})"
-        if not isinstance(t, Tensor):
-            errors.append(f"Muon.step: {where} must be a 1-D tensor of {heads.n_q_heads} per-query-head max "
-                          f"logits, got {type(t).__name__}")
-            continue
-        if t.ndim != 1 or t.numel() != heads.n_q_heads:
-            errors.append(
-                f"Muon.step: {where} has shape {tuple(t.shape)}, but the layer has {heads.n_q_heads} query heads; "
-                f"pass a 1-D tensor of length {heads.n_q_heads}, each query head's max attention logit (max over "
-                "batch and positions, max-reduced over data-parallel ranks and gathered over tensor-parallel "
-                "ranks: optimizer.max_logits.gather_max_logits)."
-            )
-            continue
-        if not t.is_floating_point():
-            errors.append(f"Muon.step: {where} has dtype {t.dtype}; pass floating-point logits")
-        elif t.device.type == "meta":
-            errors.append(f"Muon.step: {where} is on the meta device and holds no values; pass the logits "
-                          "computed in the forward pass")
-        elif want_device is not None and not _same_device(t.device, want_device):
-            errors.append(f"Muon.step: {where} is on {t.device} but the weights it clips are on {want_device}; "
-                          "keep the logits on the weights' device (moving them would synchronise the host)")
-    return errors
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def check_layer_gradients(plan: QKClipPlan, has_grad: Mapping[str, bool]) -> tuple[list[str], tuple]:
-    """Which layers to clip this step, given which clipped weights have a gradient.
-
-    Rule: a layer is clipped when every one of its clipped weights has a gradient; a layer none of
-    whose weights has a gradient is skipped (it was not trained this step, like any parameter
-    without a gradient, and is listed in the report's ``skipped_layers``); a layer where some do
-    and some do not is an error, because scaling one side of the logit would not bound it (a
-    frozen ``wq`` with a trained ``wk``: freeze or train both, or leave the layer out of QK-clip).
-    Returns ``(errors, active_layers)``.  ``has_grad`` must be agreed across ranks.
-    """
-    errors, active = [], []
-    for layer, heads in plan.layers.items():
-        flags = {w: bool(has_grad.get(w, False)) for w in heads.weights}
-        if all(flags.values()):
-            active.append(layer)
-        elif any(flags.values()):
-            with_grad = [w for w, f in flags.items() if f]
-            without = [w for w, f in flags.items() if not f]
-            errors.append(
-                f"Muon.step: QK-clip must scale layer {layer!r}'s query and key weights together, but {without} "
-                f"have no gradient this step while {with_grad} do. Give both a gradient (use them in the forward, "
-                "or zero_grad(set_to_none=False)), freeze both, or leave the layer out of QK-clip via "
-                "QKClipConfig.classify."
-            )
-    return errors, tuple(active)
 
 
 @dataclass(eq=False)
 class ClipStep:
     """One step's QK-clip values, all on the device."""
 
-    table: Tensor  # [plan.table_size] float32 scale table
+    table: Tensor  # [head_map.table_size] float32 scale table
     nonfinite: Tensor  # 0-d bool: some logit is NaN or +inf (the caller agrees on it, then raises)
-    flat_logits: Tensor  # [plan.total_q] float32, the step's logits in plan order (for agreement digests)
+    flat_logits: Tensor  # [head_map.total_q] float32, the step's logits in head-map order (for agreement digests)
     report: QKClipReport
+
+
+def step_clip(head_map: HeadMap | None, qk_logits, device: torch.device,
+              has_grad: Mapping[str, bool]) -> tuple[ClipStep | None, list[str]]:
+    """This step's QK-clip values (on the device, no host read), or the problems with ``qk_logits``
+    (``has_grad``: which weights have a gradient this step, as the ranks agree on it)."""
+    errors = check_step_logits(head_map, qk_logits, device)
+    if errors or qk_logits is None or head_map is None:
+        return None, errors
+    errors, active = check_layer_gradients(head_map, has_grad)
+    if errors:
+        return None, errors
+    skipped = [layer for layer in head_map.layers if layer not in active]
+    return compute_clip_step(head_map, qk_logits, device, skipped_layers=skipped), []
 
 
 def gamma(logits: Tensor, threshold: float) -> Tensor:
@@ -139,13 +60,8 @@ def clipped_heads(logits: Tensor, threshold: float) -> Tensor:
     return (logits > threshold) & torch.isfinite(logits)
 
 
-def nonfinite_flag(logits: Tensor) -> Tensor:
-    """0-d bool device tensor: some logit is NaN or +inf (``-inf`` means nothing was attended: fine)."""
-    return (torch.isnan(logits) | torch.isposinf(logits)).any()
-
-
 def compute_clip_step(
-    plan: QKClipPlan,
+    head_map: HeadMap,
     qk_logits: Mapping,
     device: torch.device | str,
     *,
@@ -154,21 +70,42 @@ def compute_clip_step(
     """The step's scale table, NaN/+inf flag and (lazy) report, from checked ``qk_logits``.
 
     A constant number of kernels whatever the number of layers, and no host synchronisation.
-    Call :func:`check_step_logits` first.
+    Call :func:`~.logits_checks.check_step_logits` first.
     """
-    kv_of_q, layer_of_q = plan.device_tensors(device)
-    flat = torch.cat([qk_logits[layer].detach().reshape(-1).float() for layer in plan.layers]
+    kv_of_q, layer_of_q = head_map.device_tensors(device)
+    flat = torch.cat([qk_logits[layer].detach().reshape(-1).float() for layer in head_map.layers]
                      or [torch.zeros(0, device=device)])
-    g = gamma(flat, plan.threshold)
-    g_kv = torch.ones(plan.total_kv, device=flat.device).scatter_reduce_(0, kv_of_q, g, "amin")
+    g = gamma(flat, head_map.threshold)
+    g_kv = torch.ones(head_map.total_kv, device=flat.device).scatter_reduce_(0, kv_of_q, g, "amin")
     table = torch.cat([g.sqrt(), g, g_kv.sqrt(), torch.ones(1, device=flat.device)])
-    clipped = clipped_heads(flat, plan.threshold).float()
-    n_layers = len(plan.layers)
+    clipped = clipped_heads(flat, head_map.threshold).float()
+    n_layers = len(head_map.layers)
     counts = torch.zeros(n_layers, device=flat.device).index_add_(0, layer_of_q, clipped)
     maxima = torch.full((n_layers,), float("-inf"), device=flat.device).scatter_reduce_(0, layer_of_q, flat, "amax")
-    skipped = tuple(layer for layer in plan.layers if layer in set(skipped_layers))
-    report = QKClipReport.lazy(plan.threshold, tuple(plan.layers), counts, maxima, skipped_layers=skipped)
+    skipped = tuple(layer for layer in head_map.layers if layer in set(skipped_layers))
+    report = QKClipReport.lazy(head_map.threshold, tuple(head_map.layers), counts, maxima, skipped_layers=skipped)
     return ClipStep(table=table, nonfinite=nonfinite_flag(flat), flat_logits=flat, report=report)
+
+
+class ClipRowSlots:
+    """Each clipped weight's table slots for this rank's rows, worked out once per placement (the
+    step context keeps it: another placement is another context)."""
+
+    def __init__(self, head_map: HeadMap):
+        self.head_map = head_map
+        self._index: dict[object, Tensor] = {}
+
+    def rows(self, key, name: str, clip: ClipStep, local_rows: Callable[[], slice | Tensor],
+             device: torch.device) -> tuple[Tensor, Tensor] | None:
+        """(scale table, table slot of every local row) of weight ``name`` (None: not clipped);
+        ``local_rows()``: the global rows of this rank's piece, asked the first time only."""
+        rows = self.head_map.weights.get(name)
+        if rows is None:
+            return None
+        index = self._index.get(key)
+        if index is None:
+            index = self._index[key] = rows.local_index(local_rows(), device)
+        return clip.table, index
 
 
 def apply_clip_(local_weight: Tensor, table: Tensor, local_index: Tensor) -> None:
@@ -185,12 +122,3 @@ def apply_clip_(local_weight: Tensor, table: Tensor, local_index: Tensor) -> Non
     if local_index.numel() == 0:
         return
     local_weight.mul_(table[local_index].view(-1, *([1] * (local_weight.ndim - 1))))
-
-
-def describe_nonfinite(qk_logits: Mapping) -> str:
-    """The error for NaN/+inf logits, naming the layers (reads the logits: call only to raise)."""
-    bad = [layer for layer, t in qk_logits.items()
-           if isinstance(t, Tensor) and bool(nonfinite_flag(t))]
-    where = f"qk_logits{bad}" if bad else "qk_logits on another rank"
-    return (f"Muon.step: {where} contain NaN or +inf; the forward pass diverged or the max was taken over "
-            "uninitialised values. Pass finite per-head max logits (-inf, nothing attended, is fine).")

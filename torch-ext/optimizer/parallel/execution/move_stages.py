@@ -1,4 +1,4 @@
-"""The pipeline's stages for a chunk of moved units (``plan.MoveChunk``; ``plan_moves.py``).
+"""The pipeline's stages for a chunk of moved units (``plan_data.MoveChunk``; ``planning/expert_moves.py``).
 
 Experts held whole by one rank, orthogonalised by another (or cut over a group): the holder
 writes each block it sends (its momentum update, and NorMuon's row state after its columns)
@@ -20,8 +20,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .buffers import _Flight, _split
-from .plan_types import MoveChunk, Owned
+from ..planning.plan_data import MoveChunk, Owned
+from .buffers import Flight, matrix_and_rows
 from .stats import PipelineStats
 
 
@@ -34,21 +34,21 @@ def _all_to_all(recv, send, recv_splits, send_splits, chunk: MoveChunk, stats: P
     return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=chunk.group, async_op=True)
 
 
-def start_gather(chunk: MoveChunk, steps: Sequence, stats: PipelineStats) -> _Flight:
+def start_gather(chunk: MoveChunk, steps: Sequence, stats: PipelineStats) -> Flight:
     """Write the blocks this rank holds into the send buffer and send them to their owners."""
     with stats.time("gather"):
         send = torch.empty(chunk.send_numel, dtype=chunk.wire_dtype, device=chunk.device)
         for pack in chunk.packs:
-            matrix, rows = _split(_block(send, pack), pack.row_slots)
+            matrix, rows = matrix_and_rows(_block(send, pack), pack.row_slots)
             steps[pack.param].input_into(matrix, pack.region)
             if rows is not None:
                 steps[pack.param].row_state_into(rows, pack.region)
         recv = torch.empty(chunk.recv_numel, dtype=chunk.wire_dtype, device=chunk.device)
         work = _all_to_all(recv, send, chunk.recv_splits, chunk.send_splits, chunk, stats)
-    return _Flight(chunk, recv, work, send)
+    return Flight(chunk, recv, work, send)
 
 
-def finish_gather(flight: _Flight, stats: PipelineStats) -> list[torch.Tensor]:
+def finish_gather(flight: Flight, stats: PipelineStats) -> list[torch.Tensor]:
     """Wait for the blocks; the owned matrices are views of the receive buffer (same-shape ones
     batched), their row state in ``flight.rows``."""
     with stats.time("gather"):
@@ -57,13 +57,13 @@ def finish_gather(flight: _Flight, stats: PipelineStats) -> list[torch.Tensor]:
         stats.moved_units += len(chunk.owned)
         fulls, rows = [], []
         for o in chunk.owned:
-            matrix, row = _split(_block(recv, o), o.row_slots)
+            matrix, row = matrix_and_rows(_block(recv, o), o.row_slots)
             fulls.append(matrix)
             rows.append(row)
         flight.fulls = []
         for b, members in enumerate(chunk.batches):
             batch = _batched(recv, [chunk.owned[k] for k in members])
-            matrices, row_batch = _split(batch, chunk.owned[members[0]].row_slots)
+            matrices, row_batch = matrix_and_rows(batch, chunk.owned[members[0]].row_slots)
             flight.fulls.append((b, matrices, row_batch))
         flight.rows = rows
     return fulls
@@ -79,15 +79,15 @@ def _batched(recv: torch.Tensor, owned: Sequence[Owned]) -> torch.Tensor:
 
 
 def start_scatter(chunk: MoveChunk, updates: list[torch.Tensor], stats: PipelineStats,
-                  rows: Sequence[torch.Tensor | None] = ()) -> _Flight:
+                  rows: Sequence[torch.Tensor | None] = ()) -> Flight:
     """Write every owned block's update (and new row state) where the block arrived; send them back."""
     with stats.time("scatter"):
         send = torch.empty(chunk.recv_numel, dtype=chunk.wire_dtype, device=chunk.device)
         for k, (o, u) in enumerate(zip(chunk.owned, updates)):
-            matrix, row_block = _split(_block(send, o), o.row_slots)
+            matrix, row_block = matrix_and_rows(_block(send, o), o.row_slots)
             matrix.copy_(u)
             if row_block is not None:
                 row_block.copy_(rows[k])
         recv = torch.empty(chunk.send_numel, dtype=chunk.wire_dtype, device=chunk.device)
         work = _all_to_all(recv, send, chunk.send_splits, chunk.recv_splits, chunk, stats)
-    return _Flight(chunk, recv, work, send)
+    return Flight(chunk, recv, work, send)

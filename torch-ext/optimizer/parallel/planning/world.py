@@ -2,8 +2,8 @@
 
 Pure: shapes, placements and the mesh's rank grid in, plain data out.  Every rank computes the
 same jobs (units with owners, blocks of cut units with their groups) and the same chunks without
-talking to the others; ``plan_rank.py`` then works out one rank's part of them.  The terms are
-explained in ``plan.py``.
+talking to the others; ``rank_view.py`` and ``rank_chunk.py`` then work out one rank's part of
+them.  The terms are explained in ``plan.py``.
 """
 
 from __future__ import annotations
@@ -14,17 +14,19 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..distributed.layout import ParamLayout
+from ...distributed.layout import ParamLayout
+from .cut_choice import assign_paired, choose_cuts
+from .cut_geometry import Cut, block_widths, cut_dim, set_lengths, sub_shape
+from .cut_model import CutOptions, aligned_groups, always_k, auto_ks
 from .owners import assign_owners_among, cut_chunks, split_range_evenly
-from .plan_types import PlanParam, PlanSettings
-from .split_plan import (Cut, UnitOptions, aligned_groups, always_k, assign_paired, auto_ks, block_widths, choose_plan,
-                         cut_dim, set_lengths, sub_shape)
+from .plan_data import PlanParam, PlanSettings
 
 # A unit is cut into expert ranges no costlier than this fraction of the mean load per owner.
 TARGET_UNIT_FRACTION = 0.1
 
+
 @dataclass
-class _Job:
+class Job:
     param: int
     batch: tuple[int, ...]  # batch coordinate of the unit's holders
     leading: slice | None  # range of the holders' local leading (expert) dim; None: whole
@@ -33,11 +35,11 @@ class _Job:
     candidates: tuple[int, ...]
     replica: tuple[int, ...] | None  # the replica it serves; None: every replica (split)
     owner: int = -1
-    cut: Cut | None = None  # a block of a unit cut over ``group`` (split_plan.py)
+    cut: Cut | None = None  # a block of a unit cut over ``group`` (cut_geometry.py)
     group: tuple[int, ...] = ()
     widths: tuple[int, ...] = ()
     unit: int = -1  # the cut unit's index in the pattern
-    holder: int = -1  # a unit held whole by one rank and moved (plan_moves.py): that rank
+    holder: int = -1  # a unit held whole by one rank and moved (expert_moves.py): that rank
 
 
 def _pattern_key(p: PlanParam, split: bool):
@@ -64,7 +66,7 @@ def is_local(p: PlanParam, split: bool) -> bool:
     return p.layout is None or (p.layout.shard_group_size == 1 and not split)
 
 
-def _units(p: PlanParam, batch: tuple[int, ...], count: int, max_cost: float, max_bytes: float):
+def expert_units(p: PlanParam, batch: tuple[int, ...], count: int, max_cost: float, max_bytes: float):
     """Cut one batch coordinate's ``count`` local experts into (range, shape, cost) units."""
     shape = p.shape
     if len(shape) < 3 or count <= 1:
@@ -86,7 +88,7 @@ def _units(p: PlanParam, batch: tuple[int, ...], count: int, max_cost: float, ma
 
 
 def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool,
-                  held: Callable[[], dict[int, float]] = dict) -> list[_Job]:
+                  held: Callable[[], dict[int, float]] = dict) -> list[Job]:
     """Jobs of one pattern, with owners (LPT among each job's candidates)."""
     lay0 = params[members[0]].layout
     world = lay0.grid.ranks
@@ -104,20 +106,20 @@ def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings:
     # owners serving one copy of the model: every rank when split, one replica's ranks otherwise
     owners = len(world) if split else len(world) // lay0.num_replicas
 
-    def build(max_cost: float, max_bytes: float) -> list[_Job]:
-        jobs: list[_Job] = []
+    def build(max_cost: float, max_bytes: float) -> list[Job]:
+        jobs: list[Job] = []
         for i, b, count in whole:
             p = params[i]
             holders = p.layout.holders(b)
-            for leading, shape, cost in _units(p, b, count, max_cost, max_bytes):
+            for leading, shape, cost in expert_units(p, b, count, max_cost, max_bytes):
                 if math.prod(shape) == 0:
                     continue  # nobody holds anything of it (uneven experts)
                 if split:
-                    jobs.append(_Job(i, b, leading, shape, cost, holders, None))
+                    jobs.append(Job(i, b, leading, shape, cost, holders, None))
                     continue
                 for rc in _replica_coordinates(p.layout):
                     inside = _holders_in_replica(p.layout, b, rc)
-                    jobs.append(_Job(i, b, leading, shape, cost, inside, rc))
+                    jobs.append(Job(i, b, leading, shape, cost, inside, rc))
         for job, owner in zip(jobs, assign_owners_among([j.cost for j in jobs], [j.candidates for j in jobs])):
             job.owner = owner
         return jobs
@@ -131,19 +133,19 @@ def _pattern_jobs(params: Sequence[PlanParam], members: Sequence[int], settings:
     return _cut_units(params, jobs, len(world), split, held)
 
 
-def _cut_units(params: Sequence[PlanParam], jobs: list[_Job], world: int, split: bool,
-               held: Callable[[], dict[int, float]] = dict) -> list[_Job]:
+def _cut_units(params: Sequence[PlanParam], jobs: list[Job], world: int, split: bool,
+               held: Callable[[], dict[int, float]] = dict) -> list[Job]:
     """Cut units over k ranks where the cost model says it lowers the busiest rank
-    (``split_plan.py``), counting what each rank orthogonalises where it is (``held()``); the
+    (``cut_choice.py``), counting what each rank orthogonalises where it is (``held()``); the
     whole units are then owned anew, around the cut ones and the held load (also where nothing is
     cut, if anything is held)."""
     if all(params[j.param].split is None for j in jobs):
         return jobs
-    units = [_unit_options(params[j.param], j, split) for j in jobs]
+    units = [cut_options(params[j.param], j, split) for j in jobs]
     keys = [pair_key(params, j) for j in jobs]
-    plan = choose_plan(units, world, held, keys)
-    if plan is not None:
-        ks, owners = plan
+    cuts = choose_cuts(units, world, held, keys)
+    if cuts is not None:
+        ks, owners = cuts
     else:
         if not any(held().values()):
             return jobs
@@ -151,7 +153,7 @@ def _cut_units(params: Sequence[PlanParam], jobs: list[_Job], world: int, split:
         # stay home): own the whole units around that load, not on top of it
         ks = [1] * len(units)
         owners, _ = assign_paired(units, ks, held(), keys)
-    out: list[_Job] = []
+    out: list[Job] = []
     for n, (job, u, k, owner) in enumerate(zip(jobs, units, ks, owners)):
         if k == 1:
             job.owner = owner
@@ -163,14 +165,14 @@ def _cut_units(params: Sequence[PlanParam], jobs: list[_Job], world: int, split:
         cost = u.member_cost(k)
         for j, rank in enumerate(group):
             cut = Cut(dim, k, j)
-            out.append(_Job(job.param, job.batch, job.leading, sub_shape(job.shape, cut, widths[j]), cost, group,
-                            job.replica, rank, cut, group, widths, n))
+            out.append(Job(job.param, job.batch, job.leading, sub_shape(job.shape, cut, widths[j]), cost, group,
+                           job.replica, rank, cut, group, widths, n))
     return out
 
 
-def _unit_options(p: PlanParam, job: _Job, split: bool) -> UnitOptions:
-    """The k a unit may be cut into and on which groups (``split_plan.py``)."""
-    u = UnitOptions(job.cost, job.candidates)
+def cut_options(p: PlanParam, job: Job, split: bool) -> CutOptions:
+    """The k a unit may be cut into and on which groups (``cut_model.py``)."""
+    u = CutOptions(job.cost, job.candidates)
     model, lay = p.split, p.layout
     if model is None or lay is None or len(job.shape) < 2:
         return u
@@ -201,7 +203,7 @@ def _shard_groups(layout: ParamLayout, batch: tuple[int, ...]) -> tuple[tuple[in
     return tuple(tuple(sorted(_holders_in_replica(layout, batch, rc))) for rc in _replica_coordinates(layout))
 
 
-def _busiest(jobs: Sequence[_Job]) -> float:
+def _busiest(jobs: Sequence[Job]) -> float:
     loads: dict[int, float] = {}
     for j in jobs:
         loads[j.owner] = loads.get(j.owner, 0.0) + j.cost
@@ -234,14 +236,14 @@ class WorldJob:
     cost: float
     owner: int  # global rank
     split: bool  # one job for every replica (True) or one per replica
-    cut: Cut | None = None  # a block of a unit cut over ``group`` (split_plan.py)
+    cut: Cut | None = None  # a block of a unit cut over ``group`` (cut_geometry.py)
     group: tuple[int, ...] = ()
     widths: tuple[int, ...] = ()
     unit: int = -1
-    holder: int = -1  # a unit held whole by this rank and moved to its owner (plan_moves.py); -1: none
+    holder: int = -1  # a unit held whole by this rank and moved to its owner (expert_moves.py); -1: none
 
 
-def _classify(params: Sequence[PlanParam], settings: PlanSettings):
+def classify(params: Sequence[PlanParam], settings: PlanSettings):
     """Which parameters are orthogonalised where they are, which the baseline gathers
     whole, and the patterns (``[(key, member indices)]`` in parameter order) of the rest."""
     local, gather_all, patterns = [], [], {}
@@ -257,20 +259,20 @@ def _classify(params: Sequence[PlanParam], settings: PlanSettings):
     return local, gather_all, sorted(patterns.items(), key=lambda kv: kv[1][0])
 
 
-def _pattern_chunks(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool,
-                    held: Callable[[], dict[int, float]] = dict):
+def pattern_chunks(params: Sequence[PlanParam], members: Sequence[int], settings: PlanSettings, split: bool,
+                   held: Callable[[], dict[int, float]] = dict):
     jobs = _pattern_jobs(params, members, settings, split, held)
     chunk_size = settings.chunk_size or len(params[members[0]].layout.grid.ranks)
-    order = _cut_units_together(jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size), params)
+    order = cut_units_together(jobs, cut_chunks([j.cost for j in jobs], [j.owner for j in jobs], chunk_size), params)
     batch_costs(params, jobs, order)
     return jobs, order
 
 
-def _held_loads(params: Sequence[PlanParam], local: Sequence[int],
-                movable: Sequence[int] = ()) -> Callable[[tuple[int, ...]], Callable[[], dict[int, float]]]:
+def held_loads(params: Sequence[PlanParam], local: Sequence[int],
+               movable: Sequence[int] = ()) -> Callable[[tuple[int, ...]], Callable[[], dict[int, float]]]:
     """For the pattern on ``ranks``: every rank's Newton-Schulz cost of the DTensor units it
     orthogonalises where it is (experts held whole, replicated weights), and of ``movable`` ones
-    as they will be once moved (spread evenly over their mesh: ``plan_moves.py``), computed once,
+    as they will be once moved (spread evenly over their mesh: ``expert_moves.py``), computed once,
     when the pattern's choice of cuts or owners first needs it (it touches every rank of the world).
 
     Only parameters whose mesh holds every one of ``ranks`` count, because the pattern's plan must
@@ -325,8 +327,8 @@ def _held_loads(params: Sequence[PlanParam], local: Sequence[int],
     return for_pattern
 
 
-def _cut_units_together(jobs: Sequence[_Job], order: list[list[int]],
-                        params: Sequence[PlanParam] | None = None) -> list[list[int]]:
+def cut_units_together(jobs: Sequence[Job], order: list[list[int]],
+                       params: Sequence[PlanParam] | None = None) -> list[list[int]]:
     """Every block of a cut unit in one chunk (the earliest holding one of them): its owners
     orthogonalise it together.  With ``params``, cut units that the runtime can run in one call
     (:func:`batch_key`) are paired in unit order, the second joining the first's chunk, so that
@@ -354,7 +356,7 @@ def _cut_units_together(jobs: Sequence[_Job], order: list[list[int]],
     return [items for items in out if items]
 
 
-def pair_key(params: Sequence[PlanParam], job: _Job) -> tuple:
+def pair_key(params: Sequence[PlanParam], job: Job) -> tuple:
     """Whole units with the same key, cut alike, may run as one call on one group (``batch_key``)."""
     p = params[job.param]
     shape = job.shape
@@ -362,7 +364,7 @@ def pair_key(params: Sequence[PlanParam], job: _Job) -> tuple:
             cut_dim(shape) if p.row_bytes else None)
 
 
-def batch_key(params: Sequence[PlanParam], job: _Job) -> tuple:
+def batch_key(params: Sequence[PlanParam], job: Job) -> tuple:
     """Blocks of cut units with the same key, in one chunk, run as one call of the split iteration
     (``runtime.orthogonalize_owned``): the same group and widths, stage, unit shape short side
     first (a tall unit cut by rows is a wide one transposed) and row state; with row state
@@ -373,7 +375,7 @@ def batch_key(params: Sequence[PlanParam], job: _Job) -> tuple:
     return (job.group, job.widths, p.ns_key, short_first, p.row_bytes, job.cut.dim if p.row_bytes else None)
 
 
-def batch_costs(params: Sequence[PlanParam], jobs: Sequence[_Job], order: list[list[int]]) -> None:
+def batch_costs(params: Sequence[PlanParam], jobs: Sequence[Job], order: list[list[int]]) -> None:
     """Charge every block of a cut unit what the call it runs in costs, per unit: the cut units of
     a chunk with one :func:`batch_key` run together, their halves interleaved."""
     for items in order:

@@ -17,11 +17,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from optimizer.distributed.layout import MeshGrid, ParamLayout
 from optimizer.newton_schulz import newton_schulz_flops
-from optimizer.parallel.plan import PlanParam, PlanSettings, build_plan, world_jobs
+from optimizer.parallel.planning.plan import PlanParam, PlanSettings, build_plan, world_jobs
 from optimizer.parallel.split_newton_schulz import CPU_GLOO, CUDA_NVLINK, SplitHardware
-from optimizer.parallel.split_plan import (SPLIT_MAX_RANKS, SplitModel, UnitOptions, aligned_groups, assign_paired,
-                                           auto_ks, block_widths, choose_ks, choose_plan,
-                                           canonical_sets, cut_blocks, rank_sets)
+from optimizer.parallel.planning.cut_choice import assign_paired, choose_cuts, choose_ks
+from optimizer.parallel.planning.cut_geometry import block_widths, canonical_sets, cut_blocks
+from optimizer.parallel.planning.cut_model import (SPLIT_MAX_RANKS, CutOptions, SplitModel, aligned_groups, auto_ks,
+                                                   rank_sets)
 
 FREE = SplitHardware("test: free communication", 1e12, 1e12, 1e18, 1e-12, torch.float32)
 
@@ -248,7 +249,7 @@ def test_units_held_whole_count_when_choosing_cuts():
     they cannot move, test_expert_moves.py has the ones that can) cost as much as the one dense
     matrix: cutting the dense matrix cannot lower the busiest rank (an expert's holder), so it
     stays whole; counted without them, the cut would be taken (and ship its collectives for nothing)."""
-    from optimizer.parallel import plan
+    from optimizer.parallel.planning import plan
 
     grid = MeshGrid((8,), tuple(range(8)))
     params = [PlanParam("experts", (4, 256, 1024), ParamLayout((4, 256, 1024), grid, (Shard(0),)), torch.float32,
@@ -257,12 +258,12 @@ def test_units_held_whole_count_when_choosing_cuts():
                         torch.device("cpu"), 0, _cost, split=_model())]
     cut = lambda: [j for jobs, _ in world_jobs(params, PlanSettings()) for j in jobs if j.cut is not None]  # noqa: E731
     assert cut() == []
-    real = plan._held_loads
+    real = plan.held_loads
     try:
-        plan._held_loads = lambda params, local, movable=(): lambda ranks: dict  # blind to them
+        plan.held_loads = lambda params, local, movable=(): lambda ranks: dict  # blind to them
         assert cut()
     finally:
-        plan._held_loads = real
+        plan.held_loads = real
 
 
 def test_a_k_slower_paired_but_faster_alone_is_tried():
@@ -272,12 +273,12 @@ def test_a_k_slower_paired_but_faster_alone_is_tried():
     but faster alone (3.3 < 3.8).  Numbers written here, not the cost model's."""
     paired = {2: 4.2, 4: 2.3, 8: 2.4}
     alone = {2: 5.2, 4: 3.8, 8: 3.3}
-    u = UnitOptions(8.0, tuple(range(16)), (2, 4, 8), paired.__getitem__, None, 1, alone.__getitem__)
+    u = CutOptions(8.0, tuple(range(16)), (2, 4, 8), paired.__getitem__, None, 1, alone.__getitem__)
     assert u.next_k(1) == 2 and u.next_k(2) == 4
     assert u.next_k(4) == 8
     assert u.next_k(8) is None
     # one that is slower both ways is never next
-    worse = UnitOptions(8.0, tuple(range(16)), (2, 4, 8), paired.__getitem__, None, 1, {2: 5, 4: 3.8, 8: 3.9}.get)
+    worse = CutOptions(8.0, tuple(range(16)), (2, 4, 8), paired.__getitem__, None, 1, {2: 5, 4: 3.8, 8: 3.9}.get)
     assert worse.next_k(4) is None
 
 
@@ -288,7 +289,7 @@ def test_sixteen_units_that_run_alone_take_the_k_that_is_fastest_alone():
     paired = {2: 4.2, 4: 2.3, 8: 2.4}
     alone = {2: 5.2, 4: 3.8, 8: 3.3}
     world = 128
-    units = [UnitOptions(8.0, tuple(range(world)), (2, 4, 8), paired.__getitem__,
+    units = [CutOptions(8.0, tuple(range(world)), (2, 4, 8), paired.__getitem__,
                          lambda k: aligned_groups(tuple(range(world)), k), 1, alone.__getitem__) for _ in range(16)]
     ks = choose_ks(units, world, keys=[0] * 16)
     assert ks == [8] * 16
@@ -301,7 +302,7 @@ def test_sixteen_units_that_run_alone_take_the_k_that_is_fastest_alone():
 
 
 def _runtime_busiest(units, ks, owners, world: int) -> float:
-    """The busiest rank of a plan as the runtime runs it (``plan_world.batch_costs``), written
+    """The busiest rank of a plan as the runtime runs it (``planning/world.batch_costs``), written
     here: a whole unit on its owner; the cut units of one class on one group at one k run two by
     two as one call (each member charged both units' paired cost), an odd one alone."""
     load = [0.0] * world
@@ -329,12 +330,12 @@ def _best_plan(units, world: int) -> float:
 
 
 def _table_units(classes, world: int):
-    """UnitOptions from costs written in the test: per class (whole cost, alone {k: member cost},
+    """CutOptions from costs written in the test: per class (whole cost, alone {k: member cost},
     paired {k: member cost per unit}, how many)."""
     units, keys = [], []
     for cls, (cost, alone, paired, count) in enumerate(classes):
         for _ in range(count):
-            u = UnitOptions(cost, tuple(range(world)), tuple(sorted(alone)), paired.__getitem__,
+            u = CutOptions(cost, tuple(range(world)), tuple(sorted(alone)), paired.__getitem__,
                             lambda k: aligned_groups(tuple(range(world)), k), 1, alone.__getitem__)
             u.cls = cls
             units.append(u)
@@ -356,12 +357,12 @@ def _table_units(classes, world: int):
 def test_a_class_of_same_shape_units_may_take_two_ks(classes, want_ks):
     """Issue 29 (Llama-3-70B: some q/o over 8 ranks, the rest paired over 4): on 4 ranks the best
     plan, found by enumerating every plan here, cuts units of one class over different k (or
-    keeps some whole and cuts the rest).  ``choose_plan`` reaches it; one k per class
+    keeps some whole and cuts the rest).  ``choose_cuts`` reaches it; one k per class
     (``choose_ks``, the planner before) does not.  Costs written in the test, not the cost model's."""
     world = 4
     units, keys = _table_units(classes, world)
     best = _best_plan(units, world)
-    ks, owners = choose_plan(units, world, keys=keys)
+    ks, owners = choose_cuts(units, world, keys=keys)
     assert _runtime_busiest(units, ks, owners, world) == pytest.approx(best, abs=1e-12)
     assert any(len({k for k, key in zip(ks, keys) if key == c}) > 1 for c in set(keys))  # two ways in one class
     assert ks == want_ks
@@ -371,8 +372,8 @@ def test_a_class_of_same_shape_units_may_take_two_ks(classes, want_ks):
     assert _runtime_busiest(units, class_ks, class_owners, world) > best + 0.1
 
 
-def test_choose_plan_is_never_worse_than_one_k_per_class():
-    """Random small worlds (costs drawn here): the plan ``choose_plan`` returns, measured as the
+def test_choose_cuts_is_never_worse_than_one_k_per_class():
+    """Random small worlds (costs drawn here): the plan ``choose_cuts`` returns, measured as the
     runtime runs it, never has a busier rank than the class plan (``choose_ks`` with
     ``assign_paired``), and never beats the brute-force optimum (a check of the measurement)."""
     rng = random.Random(1)
@@ -385,7 +386,7 @@ def test_choose_plan_is_never_worse_than_one_k_per_class():
             paired = {k: round(v * rng.uniform(0.6, 0.95), 1) for k, v in alone.items()}
             classes.append((cost, alone, paired, rng.randint(1, 2)))
         units, keys = _table_units(classes, world)
-        plan = choose_plan(units, world, keys=keys)
+        plan = choose_cuts(units, world, keys=keys)
         class_ks = choose_ks(units, world, keys=keys) or [1] * len(units)
         class_owners, _ = assign_paired(units, class_ks, {}, keys)
         before = _runtime_busiest(units, class_ks, class_owners, world)

@@ -5,16 +5,17 @@ as long as the parameters, their placements, which of them have gradients and
 the optimizer's settings stay the same.  So everything that depends only on
 those is worked out here once and cached by ``Muon``; a step then only launches
 collectives with precomputed splits and runs a constant number of kernels per
-matrix (``runtime.py``).
+matrix (``execution/pipeline.py``).
 
 Planning is pure: shapes, placements and the mesh's rank grid in, plain data out;
 every rank computes the same global part (units, owners, chunks) without talking
 to the others, then its own part (what it sends, receives and updates, at which
 offsets, with index tensors already on the parameter's device).
 
-Files, by role: ``plan_types.py`` (the inputs and the plan's data), ``plan_world.py`` (the
-global part: units, owners, cuts, chunks), ``plan_rank.py`` (one rank's part: groups, offsets,
-index tensors), and here ``build_plan``, which puts them together.
+Files, by role: ``plan_data.py`` (the inputs and the plan's data), ``world.py`` (the global
+part: units, owners, cuts, chunks), ``rank_view.py`` and ``rank_chunk.py`` (one rank's part:
+groups, offsets, index tensors), ``expert_moves.py`` (experts held whole that move), the
+``cut_*.py`` files (one unit cut over k ranks), and here ``build_plan``, which puts them together.
 
 Terms
   unit      what one Newton-Schulz call orthogonalises: a parameter's matrix, or
@@ -41,7 +42,7 @@ Terms
             its own, and a zero-copy matrix stays a (strided) view of the buffer.
             A block of a cut unit carries its rows' state too: all rows for a cut
             along the columns, its own rows for a cut along the rows.
-  cut       a unit split over the k ranks of a group (``ns_split``; ``split_plan.py``):
+  cut       a unit split over the k ranks of a group (``ns_split``; ``cut_*.py``):
             k sub-jobs, each a block of its long side, owned by the group's members,
             orthogonalised together by the split Newton-Schulz iteration.
 """
@@ -52,12 +53,14 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .plan_moves import Moves, kept_units, move_chunk, move_groups, move_traffic, movable, plan_moves
-from .plan_rank import _RankView, _device_indexer, _local_shape
-from .plan_types import (Chunk, GatherAll, LocalJob, MoveChunk, Owned, Pack, PlanParam, PlanSettings, Region,
-                         SplitOwned, StepPlan, Update, local_unit_bytes, ns_workspace, row_slots, split_workspace)
-from .plan_world import (TARGET_UNIT_FRACTION, WorldJob, _classify, _held_loads, _Job, _pattern_chunks, is_local)
-from .split_plan import sub_shape
+from .expert_moves import (ExpertMoves, choose_moves, kept_units, move_chunk, move_groups, move_traffic,
+                           movable)
+from .cut_geometry import sub_shape
+from .plan_data import (Chunk, GatherAll, LocalJob, MoveChunk, Owned, Pack, PlanParam, PlanSettings, Region,
+                        SplitOwned, StepPlan, Update, local_unit_bytes, ns_workspace, row_slots, split_workspace)
+from .rank_chunk import owned_unit, rank_chunk
+from .rank_view import RankView, device_indexer, local_shape
+from .world import TARGET_UNIT_FRACTION, Job, WorldJob, classify, held_loads, is_local, pattern_chunks
 
 __all__ = ["Chunk", "GatherAll", "LocalJob", "MoveChunk", "Owned", "Pack", "PlanParam", "PlanSettings", "Region",
            "SplitOwned", "StepPlan", "TARGET_UNIT_FRACTION", "Update", "WorldJob", "build_plan", "is_local",
@@ -74,16 +77,16 @@ class _World:
     """The rank-independent part of a plan: every pattern's jobs and chunks, and the moves."""
 
     patterns: list  # [(key, members, jobs, chunks)]
-    moves: list[Moves]
+    moves: list[ExpertMoves]
     local: list[int]  # orthogonalised where they are (movable ones included: their kept units)
     gather_all: list[int]
 
-    def moves_of(self, i: int) -> Moves | None:
+    def moves_of(self, i: int) -> ExpertMoves | None:
         return next((m for m in self.moves if i in m.params), None)
 
 
 def _world(params: Sequence[PlanParam], settings: PlanSettings) -> _World:
-    local, gather_all, patterns = _classify(params, settings)
+    local, gather_all, patterns = classify(params, settings)
     movable_ix = [i for i in local if movable(params[i])] if settings.mode != "gather" else []
     # Moves are balanced on their own, as each pattern is: their chunks run after the patterns',
     # every chunk meeting at its all-to-alls, so a rank's load in other chunks cannot be traded
@@ -91,22 +94,22 @@ def _world(params: Sequence[PlanParam], settings: PlanSettings) -> _World:
     # so that the patterns' cuts and owners see the experts that stay home where they are (their
     # holders' load), and those that move spread evenly.
     moves = [m for members in move_groups(params, movable_ix)
-             if (m := plan_moves(params, members, {}, settings.chunk_size)) is not None]
+             if (m := choose_moves(params, members, {}, settings.chunk_size)) is not None]
     moving = {i for m in moves for i in m.params}
     fixed = [i for i in local if i not in moving]
-    held_for = _held_loads(params, fixed, [i for i in movable_ix if i in moving])
+    held_for = held_loads(params, fixed, [i for i in movable_ix if i in moving])
     out = []
     for key, members in patterns:
         # a pattern sees the load held on meshes that hold all its ranks (alike on each of them)
         held = held_for(params[members[0]].layout.grid.ranks)
-        jobs, order = _pattern_chunks(params, members, settings, key[-1], held)
+        jobs, order = pattern_chunks(params, members, settings, key[-1], held)
         out.append((key, members, jobs, order))
     return _World(out, moves, local, gather_all)
 
 
 def world_jobs(params: Sequence[PlanParam], settings: PlanSettings) -> list[tuple[list[WorldJob], list[list[int]]]]:
     """Every pattern's jobs with their owners, and the pattern's chunks (lists of job indices);
-    then the moved units' (``plan_moves.py``: ``holder`` set), one entry per group of moves.
+    then the moved units' (``expert_moves.py``: ``holder`` set), one entry per group of moves.
 
     Pure and rank-independent: the part of :func:`build_plan` that is the same on every
     rank.  Returns ``[(jobs, chunks)]`` per pattern, in plan order; parameters that are
@@ -161,7 +164,7 @@ def build_plan(
     world = _world(params, settings)
     plan = StepPlan()
     for i in world.local:
-        shape = _local_shape(params[i], rank)
+        shape = local_shape(params[i], rank)
         if math.prod(shape) == 0:
             continue
         for leading in kept_units(world.moves_of(i), i):
@@ -174,8 +177,8 @@ def build_plan(
         plan.gather_all.append(_gather_all(params, i, rank, resolve_group))
         plan.load += params[i].cost(params[i].shape)
     for pattern_index, (key, members, jobs, order) in enumerate(world.patterns):
-        view = _RankView(params, rank, key[-1], resolve_group, params[members[0]])
-        _add_chunks(plan, params, rank, jobs, order, lambda chunk_jobs: view.chunk(pattern_index, chunk_jobs))
+        view = RankView(params, rank, key[-1], resolve_group, params[members[0]])
+        _add_chunks(plan, params, rank, jobs, order, lambda chunk_jobs: rank_chunk(view, pattern_index, chunk_jobs))
     for n, m in enumerate(world.moves, start=len(world.patterns)):
         if rank in m.ranks:
             _add_chunks(plan, params, rank, m.jobs, m.order,
@@ -210,16 +213,16 @@ def _unit_shape(job) -> tuple[int, ...]:
 
 def _gather_all(params: Sequence[PlanParam], i: int, rank: int, resolve_group) -> GatherAll:
     p = params[i]
-    view = _RankView(params, rank, False, resolve_group, p)
-    shape = (*_local_shape(p, rank)[:-2], *p.shape[-2:])  # this rank's experts, whole matrices
-    whole = _Job(i, (), None, shape, 0.0, (), None, rank)
+    view = RankView(params, rank, False, resolve_group, p)
+    shape = (*local_shape(p, rank)[:-2], *p.shape[-2:])  # this rank's experts, whole matrices
+    whole = Job(i, (), None, shape, 0.0, (), None, rank)
     pad = view.padded(whole)
-    owned = view._owned(whole, 0, pad, single=False)
+    owned = owned_unit(view, whole, 0, pad, single=False)
     mine_ix = view.members(i)[view.member]
     lead = [slice(None)] * (len(shape) - 2)
     return GatherAll(i, view.shard_group, len(view.shard), owned, view.mine(whole),
-                     _device_indexer((*lead, *mine_ix[-2:]), p.device), p.wire_dtype,
-                     _device_indexer((*lead, mine_ix[-2]), p.device))
+                     device_indexer((*lead, *mine_ix[-2:]), p.device), p.wire_dtype,
+                     device_indexer((*lead, mine_ix[-2]), p.device))
 
 
 def _traffic(chunk: Chunk, params: Sequence[PlanParam]) -> tuple[int, int, int, int]:

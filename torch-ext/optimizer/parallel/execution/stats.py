@@ -8,6 +8,7 @@ import torch
 
 STAGES = ("gather", "orthogonalize", "scatter", "exchange", "update", "qk_clip")
 
+
 class PipelineStats:
     """Per-stage seconds and bytes of the last step.
 
@@ -41,6 +42,7 @@ class PipelineStats:
 
     def time(self, stage: str) -> "_Span":
         return _Span(self, stage)
+
 
 class _Span:
     def __init__(self, stats: PipelineStats, stage: str):

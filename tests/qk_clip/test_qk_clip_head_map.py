@@ -18,15 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harness import run_ranks
 from optimizer.attention_layouts import FusedQKV, MLAHeads
 from optimizer.qk_clip import QKClipConfig, QKClipReport, config_from_record, config_record, log_report
-from optimizer.qk_clip.plan import QKParam, build_qk_clip_plan
-from optimizer.qk_clip.step import (
-    apply_clip_,
-    check_layer_gradients,
-    check_step_logits,
-    compute_clip_step,
-    describe_nonfinite,
-    gamma,
-)
+from optimizer.qk_clip.head_map import QKParam, build_head_map
+from optimizer.qk_clip.logits_checks import check_layer_gradients, check_step_logits, describe_nonfinite
+from optimizer.qk_clip.step import apply_clip_, compute_clip_step, gamma
 
 T = 50.0
 
@@ -47,7 +41,7 @@ def ref_q(logit, threshold=T):
 
 def build_err(cfg, params, **kw):
     with pytest.raises(ValueError) as info:
-        build_qk_clip_plan(cfg, params, **kw)
+        build_head_map(cfg, params, **kw)
     return str(info.value)
 
 
@@ -76,7 +70,7 @@ def _uneven_rows_rank(rank, world_size):
     wk = distribute_tensor(torch.zeros(16, 16), mesh, [Shard(0)], src_data_rank=None)
     params = [("layers.0.attn.wq.weight", tuple(wq.shape), True, 0), ("layers.0.attn.wk.weight", tuple(wk.shape), True, 0)]
     try:
-        build_qk_clip_plan(QKClipConfig(head_dim=8, threshold=T), params)
+        build_head_map(QKClipConfig(head_dim=8, threshold=T), params)
     except ValueError as err:
         return wq.to_local().shape[0], str(err)
     return wq.to_local().shape[0], None
@@ -104,7 +98,7 @@ def test_two_weights_for_one_layer_role_are_refused(names):
     # the fix the message suggests works: distinct (str) layer keys
     cfg = QKClipConfig(head_dim=8, threshold=T,
                        classify=lambda n: (n.rsplit(".", 2)[0], "q" if "q_proj" in n else "k") if "_proj" in n else None)
-    plan = build_qk_clip_plan(cfg, params)
+    plan = build_head_map(cfg, params)
     assert sorted(plan.layers) == sorted({n.rsplit(".", 2)[0] for n in names})
 
 
@@ -140,7 +134,7 @@ def test_nothing_recognised_is_refused_unless_allowed():
     params = [(f"param_groups[0]['params'][{i}]", (32, 16), True, 0) for i in range(3)]
     msg = build_err(QKClipConfig(head_dim=8, threshold=T), params)
     assert "no parameter was recognised" in msg and "param_names" in msg
-    empty = build_qk_clip_plan(QKClipConfig(head_dim=8, threshold=T), params, allow_empty=True)
+    empty = build_head_map(QKClipConfig(head_dim=8, threshold=T), params, allow_empty=True)
     assert empty.layers == {} and empty.weights == {}
     step = compute_clip_step(empty, {}, "cpu")
     assert step.table.tolist() == [1.0] and not bool(step.nonfinite) and step.report.clipped_heads == {}
@@ -155,7 +149,7 @@ def test_fused_weight_without_layout_or_mixed_with_separate():
     assert "from one fused weight or from separate q and k weights" in msg
     msg = build_err(QKClipConfig(threshold=T, fused_qkv=FusedQKV(4, 1, 8)), params)
     assert "has 64 rows, but" in msg and "48" in msg
-    plan = build_qk_clip_plan(QKClipConfig(threshold=T, fused_qkv=fused), params)
+    plan = build_head_map(QKClipConfig(threshold=T, fused_qkv=fused), params)
     assert plan.layers[0].n_q_heads == 4 and plan.layers[0].n_kv_heads == 2
 
 
@@ -166,7 +160,7 @@ def test_mla_construction_checks():
           ("layers.0.attention.wkv_a.weight", (8 + 2, 16), True, 0),
           ("layers.0.attention.wkv_b.weight", (5 * 7, 8), True, 0),
           ("layers.0.attention.kv_norm.weight", (8,), False, 1)]
-    plan = build_qk_clip_plan(QKClipConfig(threshold=T, mla=mla), ok)
+    plan = build_head_map(QKClipConfig(threshold=T, mla=mla), ok)
     assert set(plan.weights) == {"layers.0.attention.wq_b.weight", "layers.0.attention.wkv_b.weight"}
     bad = list(ok)
     bad[3] = ("layers.0.attention.wkv_b.weight", (4 * 7, 8), True, 0)
@@ -218,7 +212,7 @@ def test_old_record_without_new_keys_loads():
 
 @pytest.fixture
 def plan():
-    return build_qk_clip_plan(QKClipConfig(head_dim=8, threshold=T), gqa_params())
+    return build_head_map(QKClipConfig(head_dim=8, threshold=T), gqa_params())
 
 
 def test_step_logits_ok_and_none(plan):
@@ -268,7 +262,7 @@ def test_gamma_never_nan_or_inf_and_flag():
     assert bool(torch.isfinite(g).all()) and bool((g > 0).all()) and bool((g <= 1).all())
     assert g.tolist()[:6] == [1.0] * 6
     assert g[6].item() == 0.5 and g[7].item() == pytest.approx(T / 1e30)
-    plan = build_qk_clip_plan(QKClipConfig(head_dim=2, threshold=T), gqa_params(layers=(0,), n_q=8, n_kv=2, d=2))
+    plan = build_head_map(QKClipConfig(head_dim=2, threshold=T), gqa_params(layers=(0,), n_q=8, n_kv=2, d=2))
     step = compute_clip_step(plan, {0: logits}, "cpu")
     assert bool(step.nonfinite) and bool(torch.isfinite(step.table).all())
     ok = compute_clip_step(plan, {0: torch.tensor([float("-inf"), -1.0, 0.0, 1, 2, 3, 4, 500])}, "cpu")
@@ -283,7 +277,7 @@ def test_gamma_never_nan_or_inf_and_flag():
 @pytest.mark.parametrize("n_q, n_kv", [(4, 4), (8, 2), (6, 1)])
 def test_scales_match_reference_rule(n_q, n_kv):
     d = 3
-    plan = build_qk_clip_plan(QKClipConfig(head_dim=d, threshold=T), gqa_params(layers=(0, 5), n_q=n_q, n_kv=n_kv, d=d))
+    plan = build_head_map(QKClipConfig(head_dim=d, threshold=T), gqa_params(layers=(0, 5), n_q=n_q, n_kv=n_kv, d=d))
     g = torch.Generator().manual_seed(n_q)
     logits = {0: torch.rand(n_q, generator=g) * 3 * T, 5: torch.rand(n_q, generator=g) * 3 * T - T}
     step = compute_clip_step(plan, logits, "cpu")
@@ -322,7 +316,7 @@ def test_apply_to_slices_and_interleaved_rows_equals_full(plan):
 
 
 def test_bf16_weight_rounded_once():
-    plan = build_qk_clip_plan(QKClipConfig(head_dim=2, threshold=T), gqa_params(layers=(0,), n_q=2, n_kv=1, d=2))
+    plan = build_head_map(QKClipConfig(head_dim=2, threshold=T), gqa_params(layers=(0,), n_q=2, n_kv=1, d=2))
     w = torch.randn(4, 3).bfloat16()
     step = compute_clip_step(plan, {0: torch.tensor([3 * T, 1.0])}, "cpu")
     got = w.clone()
@@ -355,7 +349,7 @@ class SyncDetector(TorchDispatchMode):
 def test_step_math_has_no_host_sync_and_constant_kernels():
     counts = {}
     for n_layers in (2, 9):
-        plan = build_qk_clip_plan(QKClipConfig(head_dim=2, threshold=T),
+        plan = build_head_map(QKClipConfig(head_dim=2, threshold=T),
                                   gqa_params(layers=range(n_layers), n_q=4, n_kv=2, d=2))
         logits = {i: torch.rand(4) * 2 * T for i in range(n_layers)}
         idx = {n: r.local_index(None, "cpu") for n, r in plan.weights.items()}  # static: computed once
@@ -377,7 +371,7 @@ def test_step_math_has_no_host_sync_and_constant_kernels():
 
 
 def test_report_is_lazy_and_logs(caplog):
-    plan = build_qk_clip_plan(QKClipConfig(head_dim=2, threshold=T), gqa_params(layers=(0, 2), n_q=3, n_kv=1, d=2))
+    plan = build_head_map(QKClipConfig(head_dim=2, threshold=T), gqa_params(layers=(0, 2), n_q=3, n_kv=1, d=2))
     step = compute_clip_step(plan, {0: torch.tensor([10.0, 60.0, 70.0]), 2: torch.tensor([1.0, 2.0, -3.0])}, "cpu")
     report = step.report
     assert isinstance(report, QKClipReport) and "pending" in repr(report)
@@ -392,7 +386,7 @@ def test_str_layer_keys_sort_with_ints():
     cfg = QKClipConfig(head_dim=2, threshold=T,
                        classify=lambda n: (n.split(".")[0] if n[0].isalpha() else int(n[0]), n.split(".")[1]))
     params = [("enc.q", (4, 3), True, 0), ("enc.k", (4, 3), True, 0), ("1.q", (4, 3), True, 0), ("1.k", (4, 3), True, 0)]
-    plan = build_qk_clip_plan(cfg, params)
+    plan = build_head_map(cfg, params)
     assert list(plan.layers) == [1, "enc"]
     step = compute_clip_step(plan, {"enc": torch.tensor([100.0, 1.0]), 1: torch.tensor([1.0, 1.0])}, "cpu")
     assert step.report.clipped_heads == {1: 0, "enc": 1}

@@ -1,8 +1,8 @@
 """The Muon half of a step: each Muon parameter's :class:`~optimizer.rule.MatrixStep`, built from
 its group and its state, the momentum on every local piece (where the elementwise stages are
 fused: in the pass that forms each piece's input), then the cached plan through the runtime
-(``parallel/runtime.py``), which calls the rule's stages on every piece, then the momentum of
-whatever piece the runtime did not form."""
+(``parallel/execution/pipeline.py``), which calls the rule's stages on every piece, then the
+momentum of whatever piece the runtime did not form."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ from collections.abc import MutableMapping
 
 import torch
 
-from .matrix_view import local_matrix, row_state_layout
-from .momentum_progress import MomentumProgress
-from .parallel.runtime import gather_everything, run_parallel_muon
-from .parallel.stats import PipelineStats
-from .qk_clip.step import ClipStep
-from .rule import (MatrixStep, NewtonSchulz, OwnerStage, adjust_lr, fused_elementwise, momentum_, momentum_dtype,
-                   normuon_on, row_state_dtype, work_dtype)
-from .settings import MuonSettings
-from .state_layout import MOMENTUM_KEY, ROW_STATE_KEY
-from .step_context import StepContext
-from .tensors import is_dtensor, local_view
+from ..matrix_view import local_matrix, row_state_layout
+from ..momentum_progress import MomentumProgress
+from ..parallel.execution.pipeline import gather_everything, run_parallel_muon
+from ..parallel.execution.stats import PipelineStats
+from ..qk_clip.step import ClipStep
+from ..rule import (MatrixStep, NewtonSchulz, OwnerStage, adjust_lr, fused_elementwise, momentum_, momentum_dtype,
+                    normuon_on, row_state_dtype, work_dtype)
+from ..settings import MuonSettings
+from ..state_layout import MOMENTUM_KEY, ROW_STATE_KEY
+from ..tensors import is_dtensor, local_view
+from .context import StepContext
 
 
 def muon_update(context: StepContext, state: MutableMapping, settings: MuonSettings,

@@ -1,7 +1,7 @@
 """The step plan's data: what planning takes in, and what one rank's plan holds (pure data).
 
 The terms (unit, job, pattern, chunk, block, row state, cut) are explained in ``plan.py``, which
-builds these from shapes and placements; ``runtime.py`` runs them.
+builds these from shapes and placements; ``execution/pipeline.py`` runs them.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..distributed.layout import ParamLayout
-from ..distributed.placements import Index
-from .split_plan import SplitModel
+from ...distributed.layout import ParamLayout
+from ...distributed.placements import Index
+from .cut_model import SplitModel
 
 # ----------------------------------------------------------------------------
 # Inputs
@@ -79,7 +79,7 @@ class Pack:
     padded: tuple[int, ...]  # the block in the buffer (its last ``row_slots`` columns: row state)
     mine: tuple[int, ...]  # this rank's piece of the matrix (<= padded)
     row_slots: int = 0
-    # Every block of a cut unit at once (plan_rank._fused): where each element of this rank's
+    # Every block of a cut unit at once (rank_chunk._fused): where each element of this rank's
     # piece of the unit (``mine``, row-major) goes in the buffer; offset and padded unused, the
     # blocks it stands for in ``blocks`` as (offset, padded, mine).
     index: object = None
@@ -165,7 +165,7 @@ class Chunk:
 @dataclass
 class MoveChunk:
     """Units held whole by one rank (experts on ``Shard(0)``) orthogonalised by others, or cut over a
-    group (``plan_moves.py``): one all-to-all over the mesh's ranks takes every block from its
+    group (``expert_moves.py``): one all-to-all over the mesh's ranks takes every block from its
     holder to its owner, one brings the update back.  Blocks travel whole, as they are (their row
     state after their columns): no padding, no index kernels; what is sent to member j sits at
     ``sum(send_splits[:j])``, and the way back mirrors the way out."""

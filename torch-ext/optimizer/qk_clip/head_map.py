@@ -1,4 +1,4 @@
-"""QK-clip as data: a static plan built once from names and shapes, and per-step device math.
+"""QK-clip's head map: which rows of which weight feed which head, built once from names and shapes.
 
 Kimi K2's MuonClip, per query head ``h`` of a layer with max pre-softmax logit ``S_h`` in the
 last forward pass::
@@ -22,13 +22,13 @@ MHA and MLA, one query head each).  MLA's rotary key is shared by all heads, so 
 change every head: Kimi K2 leaves it alone and scales the head's rotary query by the full
 ``gamma_h`` instead.
 
-**Static part** (:func:`build_qk_clip_plan`, once per parameter set): names are classified,
+**The head map** (:func:`build_head_map`, once per parameter set): names are classified,
 everything that can be checked from names and global shapes is checked (pairs, head counts, one
 weight per (layer, role), Muon groups only, 2-D), and every clipped weight gets a
 :class:`ClipRows`: for each of its global rows, the slot in one step's flat *scale table*
 ``[sq (all layers' query heads); g (same); skv (all layers' kv heads); 1]``.
 
-The per-step device math that uses this plan is in ``step.py``.
+The per-step device math that uses this map is in ``step.py``, its checks in ``logits_checks.py``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ ROLE_WORDS = {"q": "query weight", "k": "key weight", "qkv": "fused query/key/va
 
 @dataclass(frozen=True)
 class QKParam:
-    """What the plan needs to know about one optimizer parameter (global, not local, shape)."""
+    """What the head map needs to know about one optimizer parameter (global, not local, shape)."""
 
     name: str
     shape: tuple[int, ...]
@@ -109,8 +109,9 @@ class LayerHeads:
 
 
 @dataclass(eq=False)
-class QKClipPlan:
-    """Everything static about QK-clip for one parameter set (see :func:`build_qk_clip_plan`)."""
+class HeadMap:
+    """Everything static about QK-clip for one parameter set: per layer its heads, per clipped weight
+    its rows' table slots (see :func:`build_head_map`)."""
 
     threshold: float
     layers: dict  # LayerKey -> LayerHeads, in layer_sort_key order
@@ -142,12 +143,12 @@ class QKClipPlan:
 # --------------------------------------------------------------------------- construction
 
 
-def build_qk_clip_plan(
+def build_head_map(
     cfg: QKClipConfig,
     params: Iterable[QKParam | tuple[str, Sequence[int], bool, int]],
     *,
     allow_empty: bool = False,
-) -> QKClipPlan:
+) -> HeadMap:
     """Classify and check every parameter; raise one ``ValueError`` listing every problem.
 
     ``params``: every parameter of the optimizer (Muon and AdamW groups), as ``QKParam`` or
@@ -165,6 +166,12 @@ def build_qk_clip_plan(
     if errors:
         raise ValueError("\n".join(errors))
     return _assemble(cfg.threshold, shapes)
+
+
+def qk_params(params: Sequence) -> list[QKParam]:
+    """What the head map needs of every optimizer parameter (``named_params.NamedParam``s): name,
+    global shape as Muon reads it, group kind and index."""
+    return [QKParam(e.name, tuple(e.shape), bool(e.use_muon), int(e.group)) for e in params]
 
 
 def _classify_params(infos: list[QKParam], cfg: QKClipConfig, errors: list[str]) -> dict:
@@ -335,7 +342,7 @@ def _table_index(layout: RowLayout, q_off: int, kv_off: int, total_q: int, total
     return index
 
 
-def _assemble(threshold: float, shapes: dict) -> QKClipPlan:
+def _assemble(threshold: float, shapes: dict) -> HeadMap:
     total_q = sum(n_q for n_q, _, _ in shapes.values())
     total_kv = sum(n_kv for _, n_kv, _ in shapes.values())
     layers, weights, kv_of_q, layer_of_q = {}, {}, [], []
@@ -349,7 +356,7 @@ def _assemble(threshold: float, shapes: dict) -> QKClipPlan:
             weights[info.name] = ClipRows(info.name, layer, role, layout, index)
         q_off, kv_off = q_off + n_q, kv_off + n_kv
     empty = torch.zeros(0, dtype=torch.long)
-    return QKClipPlan(
+    return HeadMap(
         threshold=float(threshold), layers=layers, weights=weights, total_q=total_q, total_kv=total_kv,
         kv_of_q=torch.cat(kv_of_q) if kv_of_q else empty, layer_of_q=torch.cat(layer_of_q) if layer_of_q else empty,
     )
