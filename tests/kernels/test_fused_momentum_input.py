@@ -213,18 +213,18 @@ def products_on_torch():
     runs them ~50x slower, and they are the same in both orders: their kernels are tested in
     test_symmetric_kernel.py and tests/parallel/test_ns_kernels.py); the elementwise stages stay
     on the fused kernels."""
-    from optimizer import rule
+    from optimizer.newton_schulz import group
 
-    real = rule.zeropower_via_newtonschulz
+    real = group.zeropower_via_newtonschulz
 
     def on_torch(*args, **kwargs):
-        return real(*args, **{**kwargs, "kernels": "torch"})
+        return real(*args, **{**kwargs, "ns_kernels": "torch"})
 
-    rule.zeropower_via_newtonschulz = on_torch
+    group.zeropower_via_newtonschulz = on_torch
     try:
         yield
     finally:
-        rule.zeropower_via_newtonschulz = real
+        group.zeropower_via_newtonschulz = real
 
 
 @contextlib.contextmanager

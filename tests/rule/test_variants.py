@@ -265,8 +265,10 @@ def test_bf16_momentum_is_stored_in_bf16_and_computed_wide(shape):
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_newton_schulz_sees_the_compute_dtype_not_the_buffer_dtype(monkeypatch, nesterov):
     seen = []
-    original = rule.NewtonSchulz.__call__
-    monkeypatch.setattr(rule.NewtonSchulz, "__call__", lambda self, x: seen.append(x.dtype) or original(self, x))
+    from optimizer.newton_schulz.group import NewtonSchulz
+
+    original = NewtonSchulz.__call__
+    monkeypatch.setattr(NewtonSchulz, "__call__", lambda self, x: seen.append(x.dtype) or original(self, x))
     w = torch.nn.Parameter(initial((8, 12), dtype=torch.float32))
     opt = Muon([{"params": [w], "use_muon": True}], momentum_dtype="bfloat16", nesterov=nesterov)
     w.grad = torch.ones_like(w)

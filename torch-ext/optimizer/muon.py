@@ -31,8 +31,9 @@ from torch.optim import Optimizer
 from . import settings as options
 from . import state_layout
 from .adamw import adamw_group_step_, step_as_tensor_
-from .checks import check_group_params, kernels_param_problem, param_names_problem
+from .checks import check_group_params, param_names_problem
 from .matrix_view import LayoutCache
+from .newton_schulz.implementation import Implementations
 from .named_params import named_params
 from .parallel.execution.stats import PipelineStats
 from .parallel.planning.process_groups import create_process_groups
@@ -73,6 +74,7 @@ class Muon(Optimizer):
         #: timing and traffic of the last step's parallel pipeline
         self.last_step_stats = PipelineStats()
         self._layouts = LayoutCache()
+        self._implementations = Implementations()  # ns_kernels resolved once per value and device
         self._building = True
         super().__init__(params, options.torch_defaults(self.group_defaults))
         self._building = False
@@ -123,7 +125,7 @@ class Muon(Optimizer):
         entries = [e for e in named_params(self.param_groups) if e.group == index]
         check_group_params(group, [e.name for e in entries])
         for e in entries:
-            problem = kernels_param_problem(e.name, e.param, group, self.settings.compute_dtype, adding=True)
+            problem = self._implementations.param_problem(e.name, e.param, group, self.settings.compute_dtype)
             if problem:
                 raise ValueError(f"{problem} ({where} ns_kernels)")
             if group["use_muon"] and group.get(ROW_BLOCKS_KEY) is not None:
@@ -232,7 +234,7 @@ class Muon(Optimizer):
         problems = group_problems(self.param_groups, plan_options=fresh)
         if fresh:
             cached = StepContext(key, named_params(self.param_groups), self.settings, self.param_groups, self._layouts,
-                                 rank(), planned=not problems)
+                                 self._implementations, rank(), planned=not problems)
             if not problems:
                 self._cached_context = cached
         return cached, problems
@@ -280,6 +282,7 @@ class Muon(Optimizer):
         self.__dict__.setdefault("last_step_skipped", False)
         self.__dict__.setdefault("last_step_stats", PipelineStats())
         self.__dict__.setdefault("_layouts", LayoutCache())
+        self.__dict__.setdefault("_implementations", Implementations())
         self.__dict__.pop("_cached_context", None)  # rebuilt for this process's parameters
 
 

@@ -39,9 +39,8 @@ from torch import Tensor
 
 from .kernels import elementwise
 from .momentum_progress import MomentumProgress
-from .newton_schulz import default_compute_dtype, ns_io_dtype, zeropower_via_newtonschulz
-from .parallel.split_newton_schulz import (row_sums_of_squares, split_zeropower_via_newtonschulz, squares_per_row,
-                                           sum_over_group)
+from .newton_schulz.cut_rows import row_sums_of_squares, squares_per_row, sum_over_group
+from .newton_schulz.forms import default_compute_dtype, ns_io_dtype
 from .qk_clip.step import apply_clip_
 from .row_blocks import RowBlocks, compile_blocks
 from .settings import dtype_of
@@ -142,20 +141,6 @@ def apply_update_(
         param.addcmul_(update, adjusted_lr.to(param.dtype), value=-1)
     else:
         param.add_(update, alpha=-adjusted_lr)
-
-
-def fused_elementwise(ns_kernels: str, *pieces: Tensor) -> bool:
-    """Whether a parameter's elementwise stages (momentum, Nesterov input, weight decay and update)
-    run on the fused Triton kernels (kernels/elementwise.py): where its group's ``ns_kernels``
-    resolves to the kernels on the pieces' device, and the pieces (parameter, momentum, gradient)
-    are 16/32-bit floats of at most 3 dims.  Elsewhere (``"torch"``, ``"auto"`` off CUDA, fp64,
-    more dims) the torch formulas above run, unchanged.  ``"triton"`` where the kernels cannot run
-    was refused before the step (``ns_kernels.kernels_problem``)."""
-    if ns_kernels == "torch":
-        return False
-    if not elementwise.takes(*(t.dtype for t in pieces)) or any(t.ndim > elementwise.MAX_DIMS for t in pieces):
-        return False
-    return elementwise.resolve(ns_kernels, pieces[0].device) == "triton"
 
 
 # ---------------------------------------------------------------------------- NorMuon
@@ -268,30 +253,6 @@ def decode_rows(rows: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------- the owner's stage
-
-
-@dataclass(frozen=True)
-class NewtonSchulz:
-    """How a group's matrices are orthogonalised (``zeropower_via_newtonschulz``'s arguments)."""
-
-    ns_steps: int
-    coefficients: object  # a table name (so NS applies the table's own norm safety factor), or triples
-    method: str
-    eps: float
-    compute_dtype: torch.dtype | None
-    kernels: str = "auto"  # what runs the products (``optimizer.ns_kernels``)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return zeropower_via_newtonschulz(x, ns_steps=self.ns_steps, coefficients=self.coefficients, eps=self.eps,
-                                          compute_dtype=self.compute_dtype, method=self.method, kernels=self.kernels)
-
-    def split(self, x: Tensor, widths: Sequence[int], group) -> Tensor:
-        """This rank's column block of ``self(whole)``, the matrix's column blocks (``widths``, in
-        group-rank order) spread over ``group`` (``x`` short side first; collective)."""
-        return split_zeropower_via_newtonschulz(x, widths, group, ns_steps=self.ns_steps,
-                                                coefficients=self.coefficients, eps=self.eps,
-                                                compute_dtype=self.compute_dtype, method=self.method,
-                                                kernels=self.kernels)
 
 
 def block_lr_factor(rows_per_block: int, full_shape: Sequence[int], mode: str | None) -> float:
@@ -432,12 +393,13 @@ class MatrixStep:
     clip: tuple[Tensor, Tensor] | None = None  # QK-clip: (scale table, table slot of every local row)
     row_state: Tensor | None = None  # NorMuon's v of the local rows
     cautious: bool = False  # cautious weight decay
-    # The elementwise stages on the fused Triton kernels (kernels/elementwise.py; ``ns_kernels``
-    # resolved to Triton for this piece, :func:`fused_elementwise`): then ``grad`` is the gradient
-    # as stored (not negated, not converted), ``maximize`` says its sign, and ``buf`` is updated
-    # by the kernels: in the pass that forms each region's input (``pending`` says which parts
-    # are not yet), the rest by :meth:`finish_momentum` after the pipeline.  False: the torch
-    # formulas above, unchanged (``buf`` updated before the step is built).
+    # The elementwise stages on the fused Triton kernels (kernels/elementwise.py; the group's
+    # ``ns_kernels`` resolved to them for this piece: ``Implementation.fuses``, newton_schulz/
+    # implementation.py): then ``grad`` is the gradient as stored (not negated, not converted),
+    # ``maximize`` says its sign, and ``buf`` is updated by the kernels: in the pass that forms
+    # each region's input (``pending`` says which parts are not yet), the rest by
+    # :meth:`finish_momentum` after the pipeline.  False: the torch formulas above, unchanged
+    # (``buf`` updated before the step is built).
     fused: bool = False
     maximize: bool = False
     pending: MomentumProgress | None = None  # fused: this step's momentum not yet applied everywhere
@@ -503,9 +465,9 @@ class MatrixStep:
             catch_up, fuse = self.pending.claim(region) if self.pending is not None else ([], False)
             for part in catch_up:
                 self._momentum_only(part)
-            elementwise.momentum_nesterov_(_region(self.buf, region), _region(self.grad, region), out, self.momentum,
-                                           self.nesterov, self.maximize, update_momentum=fuse,
-                                           dtype=self.input_dtype, backend="triton")
+            elementwise.momentum_nesterov_on_kernels_(_region(self.buf, region), _region(self.grad, region), out,
+                                                      self.momentum, self.nesterov, self.maximize,
+                                                      update_momentum=fuse, dtype=self.input_dtype)
             return
         nesterov_input_(out, _region(self.grad, region), _region(self.buf, region), self.momentum, self.nesterov)
 
@@ -520,8 +482,8 @@ class MatrixStep:
     def _momentum_only(self, region: tuple) -> None:
         buf = _region(self.buf, region)
         if buf.numel():
-            elementwise.momentum_nesterov_(buf, _region(self.grad, region), None, self.momentum, self.nesterov,
-                                           self.maximize, dtype=self.input_dtype, backend="triton")
+            elementwise.momentum_nesterov_on_kernels_(buf, _region(self.grad, region), None, self.momentum,
+                                                      self.nesterov, self.maximize, dtype=self.input_dtype)
 
     def row_state_into(self, out: Tensor, region: tuple = ()) -> None:
         """``out`` ``[..., rows, k]`` <- the piece's rows of v, as ``out``'s dtype carries them."""
@@ -532,8 +494,8 @@ class MatrixStep:
         if rows is not None and self.row_state is not None:
             _region(self.row_state, self._rows_region(region)).copy_(decode_rows(rows))
         if self.fused:  # one pass: reads param and update, writes param
-            elementwise.apply_update_(_region(self.param, region), update, self.lr, self.adjusted_lr,
-                                      self.weight_decay, self.cautious, backend="triton")
+            elementwise.apply_update_on_kernels_(_region(self.param, region), update, self.lr, self.adjusted_lr,
+                                                 self.weight_decay, self.cautious)
             return
         apply_update_(_region(self.param, region), update, self.lr, self.adjusted_lr, self.weight_decay,
                       self.cautious)

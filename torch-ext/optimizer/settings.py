@@ -31,8 +31,9 @@ import torch
 
 from .distributed import agreement
 from .matrix_view import TRANSPOSED_KEY, check_transposed
-from .newton_schulz import check_ns_method, resolve_ns_coefficients
-from .ns_kernels import check_ns_kernels
+from .newton_schulz.coefficients import resolve_ns_coefficients
+from .newton_schulz.forms import check_ns_method
+from .newton_schulz.implementation import check_ns_kernels
 from .qk_clip import QKClipConfig, config_record
 from .row_blocks import ROW_BLOCKS_KEY, check_group_row_blocks
 

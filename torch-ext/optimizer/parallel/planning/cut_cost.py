@@ -20,7 +20,9 @@ from typing import Sequence
 
 import torch
 
-from ...newton_schulz import CoefficientSpec, check_ns_method, gram_restart_plan, resolve_ns_coefficients
+from ...newton_schulz.coefficients import CoefficientSpec, resolve_ns_coefficients
+from ...newton_schulz.forms import check_ns_method
+from ...newton_schulz.restarts import gram_restart_plan
 from .cut_hardware import CUDA_NVLINK, SplitHardware
 from .owners import split_range_evenly
 

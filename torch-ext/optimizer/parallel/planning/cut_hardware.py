@@ -14,7 +14,8 @@ from typing import Sequence
 
 import torch
 
-from ...newton_schulz import CoefficientSpec, choose_ns_form, ns_form_dtypes
+from ...newton_schulz.coefficients import CoefficientSpec
+from ...newton_schulz.forms import choose_ns_form, ns_form_dtypes
 
 
 @dataclass(frozen=True)
