@@ -6,7 +6,7 @@ computed (``r (r + 1) / 2`` of ``r^2`` for ``r = ceil(m / T)`` tile rows, so the
 position and, transposed, to its mirror. A diagonal tile keeps its lower half and mirrors it, so
 the result is exactly symmetric (reference.symmetric_matmul_reference says what that means).
 
-Products the Newton–Schulz iteration needs (kernels/newton_schulz.py): ``X X^T`` (L = X,
+Products the Newton–Schulz iteration needs (newton_schulz/iteration.py): ``X X^T`` (L = X,
 R = X.mT: a strided view, X is read in place for both operands), ``b A + c A A``, and the Gram
 form's ``a Q + Q B``, ``a A + A B``, ``a AQ + B AQ``: products of polynomials in one symmetric
 matrix, which commute, hence symmetric.
