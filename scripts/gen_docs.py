@@ -8,14 +8,14 @@ A generated block sits between two marker comments, ``<!-- NAME -->`` and ``<!--
 everything between them is replaced, everything outside is left alone.  The blocks:
 
 * ``options-table`` — every option of ``optimizer.Muon``, from the declarations in
-  ``optimizer/settings.py`` (``GROUP_OPTIONS`` and the fields of ``MuonSettings``);
+  ``optimizer/settings/declarations.py`` (``GROUP_OPTIONS`` and the fields of ``MuonSettings``);
 * ``config-matrix`` — one row per ``configs/*.toml``, read with ``examples.config.load_config``
   (ranks, mesh, attention) and the file's own header comment (what it is);
 * ``main-job-table``, ``main-job-hardware``, ``lr-sweep-table`` — the recorded main job and
   learning-rate sweep (``examples/results/``, through ``examples.report.recorded_blocks``).
 
 tests/docs/test_generated_docs.py fails when a committed file differs from what this script
-writes, so adding an option to settings.py (or a config) without rerunning it fails CI.
+writes, so adding an option to settings/declarations.py (or a config) without rerunning it fails CI.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def options_table(settings=None) -> str:
         elif keyword in alias_docs:
             where, meaning = "constructor only", alias_docs[keyword]
         else:
-            raise ValueError(f"gen_docs: constructor keyword {keyword!r} has no declaration or doc in settings.py")
+            raise ValueError(f"gen_docs: constructor keyword {keyword!r} has no declaration or doc in settings/declarations.py")
         position = settings.TORCH_POSITIONAL.index(keyword) + 1 if keyword in settings.TORCH_POSITIONAL else None
         name = f"`{keyword}`" + (f" (positional {position})" if position else "")
         rows.append((name, _code(default), where, meaning))
