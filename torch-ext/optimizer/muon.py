@@ -29,7 +29,7 @@ import torch
 from torch.optim import Optimizer
 
 from . import settings
-from . import state_layout
+from . import checkpoint
 from .adamw import adamw_group_step_, step_as_tensor_
 from .checks import check_group_params, kernels_param_problem, param_names_problem
 from .matrix_view import LayoutCache
@@ -107,7 +107,7 @@ class Muon(Optimizer):
             raise
         added = self.param_groups[first:]
         for group in added:
-            state_layout.stamp_group(group, self.settings.qk_clip)
+            checkpoint.stamp_group(group, self.settings.qk_clip)
         if not self.__dict__.get("_building", False):
             self._create_process_groups(added, only_if_missing=True)
 
@@ -240,23 +240,23 @@ class Muon(Optimizer):
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict, in Muon's state layout (``state_layout.py``: every group
+        """torch's optimizer state dict, in Muon's state layout (``checkpoint/``: every group
         carries the layout version and QK-clip settings; row blocks as plain strings)."""
         self._stamp_layout()
-        return state_layout.with_plain_row_blocks(super().state_dict(), self.param_groups,
+        return checkpoint.with_plain_row_blocks(super().state_dict(), self.param_groups,
                                                   [e.name for e in named_params(self.param_groups)])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict`, torch.distributed.checkpoint, or
         ``torch.optim.Muon`` (its momentum carries over).  torch's pre-hooks run first, then
-        everything is checked before anything changes (``state_layout.load``), post-hooks last."""
-        qk_clip = state_layout.load(self, state_dict, lambda checked: Optimizer.load_state_dict(self, checked))
+        everything is checked before anything changes (``checkpoint.load``), post-hooks last."""
+        qk_clip = checkpoint.load(self, state_dict, lambda checked: Optimizer.load_state_dict(self, checked))
         self.settings = dataclasses.replace(self.settings, qk_clip=qk_clip)
         self._stamp_layout()
 
     def _stamp_layout(self) -> None:
         for group in self.param_groups:
-            state_layout.stamp_group(group, self.settings.qk_clip)
+            checkpoint.stamp_group(group, self.settings.qk_clip)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's Optimizer pickles only defaults/state/param_groups; keep Muon's own settings
@@ -270,7 +270,7 @@ class Muon(Optimizer):
         # on the object stay.  A pickle from before the settings record holds them as attributes.
         if "settings" not in state and "settings" not in self.__dict__:
             state = dict(state, settings=settings.from_legacy(state), group_defaults=_legacy_group_defaults(state))
-            state_layout.upgrade_pickled_groups(state["param_groups"], state.get("ns_eps", 1e-7))
+            checkpoint.upgrade_pickled_groups(state["param_groups"], state.get("ns_eps", 1e-7))
         super().__setstate__(state)
         for group in self.param_groups:
             if not group["use_muon"]:

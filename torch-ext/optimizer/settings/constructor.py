@@ -98,6 +98,6 @@ def torch_defaults(group_defaults: Mapping[str, Mapping[str, Any]]) -> dict[str,
 def from_legacy(state: Mapping[str, Any]) -> declarations.MuonSettings:
     """Settings of an optimizer pickled before they were one record (attributes of the optimizer);
     missing ones take their defaults.  (Its ``ns_eps`` is a Muon-group option now: see
-    ``state_layout.upgrade``.)"""
+    ``checkpoint.upgrade``.)"""
     names = {f.name for f in fields(declarations.MuonSettings)}
     return declarations.MuonSettings(**{k: v for k, v in state.items() if k in names})

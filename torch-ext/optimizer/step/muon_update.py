@@ -19,7 +19,7 @@ from ..qk_clip.step import ClipStep
 from ..rule import (MatrixStep, NewtonSchulz, OwnerStage, adjust_lr, fused_elementwise, momentum_, momentum_dtype,
                     normuon_on, row_state_dtype, work_dtype)
 from ..settings import MuonSettings
-from ..state_layout import MOMENTUM_KEY, ROW_STATE_KEY
+from ..checkpoint import MOMENTUM_KEY, ROW_STATE_KEY
 from ..tensors import is_dtensor, local_view
 from .context import StepContext
 
