@@ -11,6 +11,8 @@ everything between them is replaced, everything outside is left alone.  The bloc
   ``optimizer/settings/declarations.py`` (``GROUP_OPTIONS`` and the fields of ``MuonSettings``);
 * ``config-matrix`` — one row per ``configs/*.toml``, read with ``examples.config.load_config``
   (ranks, mesh, attention) and the file's own header comment (what it is);
+* ``module-map`` — every module of ``torch-ext/optimizer`` with its docstring's first sentence
+  (``scripts/house.py``), in docs/architecture.md;
 * ``main-job-table``, ``main-job-hardware``, ``lr-sweep-table`` — the recorded main job and
   learning-rate sweep (``examples/results/``, through ``examples.report.recorded_blocks``).
 
@@ -156,7 +158,13 @@ def generators() -> dict[str, Callable[[], str]]:
             return recorded_blocks(os.path.join(ROOT, RESULTS_DIR))[name]
         return block
 
-    out: dict[str, Callable[[], str]] = {"options-table": options_table, "config-matrix": config_matrix}
+    def module_map() -> str:
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
+        from house import module_map as the_map
+        return the_map()
+
+    out: dict[str, Callable[[], str]] = {"options-table": options_table, "config-matrix": config_matrix,
+                                         "module-map": module_map}
     out.update({name: recorded(name) for name in ("main-job-table", "main-job-hardware", "lr-sweep-table")})
     return out
 
