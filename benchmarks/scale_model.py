@@ -71,6 +71,7 @@ Assumptions (stated again in the Markdown output):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -129,7 +130,13 @@ NS_DEVICE = "cuda"
 
 def _ns_cost(shape, ns_steps: int) -> float:
     """Newton-Schulz FLOPs of one unit: every cost in this model goes through here."""
-    return float(newton_schulz_flops(shape, ns_steps, "auto", NS_DTYPE, "fixed", NS_DEVICE))
+    return _auto_flops(tuple(shape), ns_steps, NS_DTYPE, NS_DEVICE)
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_flops(shape: tuple[int, ...], ns_steps: int, dtype, device) -> float:
+    # Cached: a model has a few shapes, and the plans ask for them hundreds of thousands of times.
+    return float(newton_schulz_flops(shape, ns_steps, "auto", dtype, "fixed", device))
 
 
 def _item(dtype: torch.dtype) -> int:

@@ -13,6 +13,7 @@ The model's numbers are checked against references that are not its own code:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -78,6 +79,11 @@ def _key(r):
 def _flops(shape) -> float:
     """What CUDA runs by default (compute_dtype None): the classic form in bf16, or the Gram form
     in fp16 where "auto" takes it (newton_schulz.choose_ns_form)."""
+    return _cuda_flops(tuple(shape))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_flops(shape: tuple[int, ...]) -> float:  # cached: the plans below ask for a few shapes ~10^5 times
     return float(newton_schulz_flops(shape, 5, "auto", None, "fixed", "cuda"))
 
 

@@ -209,22 +209,25 @@ def old_order():
 
 @contextlib.contextmanager
 def products_on_torch():
-    """Newton–Schulz's products on torch's matmuls whatever ``ns_kernels`` says (the interpreter
-    runs them ~50x slower, and they are the same in both orders: their kernels are tested in
-    test_symmetric_kernel.py and tests/parallel/test_ns_kernels.py); the elementwise stages stay
-    on the fused kernels."""
+    """Newton–Schulz's products on torch's matmuls whatever ``ns_kernels`` says, whole matrices and
+    cut ones (the interpreter runs them ~50x slower, and they are the same in both orders: their
+    kernels are tested in test_symmetric_kernel.py, tests/parallel/test_ns_kernels.py and
+    test_split_ns_kernels.py); the elementwise stages stay on the fused kernels."""
     from optimizer.newton_schulz import group
 
-    real = group.zeropower_via_newtonschulz
+    names = ("zeropower_via_newtonschulz", "split_zeropower_via_newtonschulz")
+    real = {name: getattr(group, name) for name in names}
 
-    def on_torch(*args, **kwargs):
-        return real(*args, **{**kwargs, "ns_kernels": "torch"})
+    def on_torch(fn):
+        return lambda *args, **kwargs: fn(*args, **{**kwargs, "ns_kernels": "torch"})
 
-    group.zeropower_via_newtonschulz = on_torch
+    for name in names:
+        setattr(group, name, on_torch(real[name]))
     try:
         yield
     finally:
-        group.zeropower_via_newtonschulz = real
+        for name in names:
+            setattr(group, name, real[name])
 
 
 @contextlib.contextmanager

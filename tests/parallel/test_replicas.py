@@ -77,18 +77,21 @@ def _world(mesh_shape):
     return n
 
 
-def _run(rank, world_size, name, qk, split):
+def _run(rank, world_size, name, split):
+    """Without and with QK-clip, in one launch (a launch's first run pays DTensor's cold caches)."""
     mesh_shape, specs = CASES[name]
-    return run_distributed(rank, world_size, mesh_shape, specs, STEPS, qk, replica_split=split)
+    return {qk: run_distributed(rank, world_size, mesh_shape, specs, STEPS, qk, replica_split=split)
+            for qk in (False, True)}
 
 
 @pytest.mark.parametrize("split", ["always", "auto", "never"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_equal_to_single_device(name, split):
     mesh_shape, specs = CASES[name]
+    per_rank = run_ranks(_run, _world(mesh_shape), name, split, timeout=120)
     for qk in (False, True):
         want = run_reference(specs, STEPS, qk)
-        for got in run_ranks(_run, _world(mesh_shape), name, qk, split, timeout=120):
+        for got in (r[qk] for r in per_rank):
             for n, ref in want.items():
                 torch.testing.assert_close(got[n], ref, atol=ATOL, rtol=RTOL,
                                            msg=lambda m: f"{name} qk={qk} split={split} {n}: {m}")
@@ -135,7 +138,8 @@ FLOP_LAYOUTS = {
 }
 
 
-def _count_flops(rank, world_size, layout, split):
+def _count_flops(rank, world_size, layout, splits):
+    """FLOPs of one step on this rank, per ``replica_split`` (each its own Muon, one launch)."""
     from optimizer import Muon
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils.flop_counter import FlopCounterMode
@@ -143,15 +147,18 @@ def _count_flops(rank, world_size, layout, split):
     mesh_shape, placement = FLOP_LAYOUTS[layout]
     specs = [(n, shape, placement) for n, shape in FLOP_MODEL]
     mesh = init_device_mesh("cpu", mesh_shape)
-    params, grads = make_case_tensors(specs, 1)
-    named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
-             for n, _, pl in specs]
-    opt = Muon(build_groups(named), lr=0.02, replica_split=split)
-    for n, p in named:
-        p.grad = to_dtensor(grads[0][n], mesh, p.placements)
-    with FlopCounterMode(display=False) as counter:
-        opt.step()
-    return counter.get_total_flops()
+    out = {}
+    for split in splits:
+        params, grads = make_case_tensors(specs, 1)
+        named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
+                 for n, _, pl in specs]
+        opt = Muon(build_groups(named), lr=0.02, replica_split=split)
+        for n, p in named:
+            p.grad = to_dtensor(grads[0][n], mesh, p.placements)
+        with FlopCounterMode(display=False) as counter:
+            opt.step()
+        out[split] = counter.get_total_flops()
+    return out
 
 
 def _model_flops():
@@ -177,11 +184,12 @@ def _model_flops():
 ])
 def test_busiest_rank_does_about_one_world_share(layout, world, bound, repeated):
     total = _model_flops()
-    split = run_ranks(_count_flops, world, layout, "auto", timeout=120)
+    per_rank = run_ranks(_count_flops, world, layout, ("auto", "never"), timeout=120)
+    split = [r["auto"] for r in per_rank]
     assert max(split) <= bound * total, (layout, [f / total for f in split])
     assert sum(split) == pytest.approx(total, rel=1e-9)  # nothing done twice anywhere in the world
     # Each replica repeating its work: what the split saves (and proof that this test can fail).
-    never = run_ranks(_count_flops, world, layout, "never", timeout=120)
+    never = [r["never"] for r in per_rank]
     assert max(never) >= repeated * total * 0.95, (layout, [f / total for f in never])
 
 
@@ -198,15 +206,19 @@ def test_replica_split_option_is_checked():
         Muon([{"params": [p], "use_muon": True}], replica_split_flops_per_byte=-1.0)
 
 
-def _traffic(rank, world_size, split):
+def _traffic(rank, world_size):
     mesh_shape, specs = CASES["hsdp_2x2"]
-    _, stats = run_distributed(rank, world_size, mesh_shape, specs, 1, False, with_stats=True, replica_split=split)
-    return stats.bytes_sent, stats.bytes_received, stats.all_gathers
+    out = {}
+    for split in ("always", "never"):
+        _, stats = run_distributed(rank, world_size, mesh_shape, specs, 1, False, with_stats=True, replica_split=split)
+        out[split] = stats.bytes_sent, stats.bytes_received, stats.all_gathers
+    return out
 
 
 def test_bytes_sent_equal_bytes_received_over_the_world():
+    per_rank = run_ranks(_traffic, 4, timeout=60)
     for split in ("always", "never"):
-        results = run_ranks(_traffic, 4, split, timeout=60)
+        results = [r[split] for r in per_rank]
         assert sum(r[0] for r in results) == sum(r[1] for r in results) > 0
         gathers = {r[2] for r in results}
         assert (gathers == {0}) == (split == "never"), (split, gathers)

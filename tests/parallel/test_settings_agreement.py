@@ -9,6 +9,8 @@ contradicts its placements is refused on every rank.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -128,8 +130,10 @@ def test_settings_digest_is_the_same_in_separate_processes():
     import sys
 
     root = REPO
+    # of this environment only where compiled bytecode is kept (.ci/run's cache: no compiling torch again)
+    bytecode = {k: v for k, v in os.environ.items() if k in ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")}
     runs = [subprocess.run([sys.executable, "-c", _DIGEST_SCRIPT], cwd=root, capture_output=True, text=True,
-                           timeout=120, env={"PYTHONHASHSEED": str(seed), "PATH": ""})
+                           timeout=120, env={"PYTHONHASHSEED": str(seed), "PATH": "", **bytecode})
             for seed in (1, 2)]
     for r in runs:
         assert r.returncode == 0, r.stderr

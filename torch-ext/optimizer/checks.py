@@ -1,6 +1,6 @@
 """Checks of the tensors users hand to Muon, with errors that name the culprit and the fix.
 
-Options are checked where they are declared (``settings.py``).  Every check here is local to
+Options are checked where they are declared (``settings/declarations.py``).  Every check here is local to
 a rank: ``Muon.step`` collects their messages first and raises them only after all ranks have
 agreed (``distributed/agreement.py``), so a bad input on one rank fails every rank instead of
 hanging the others.

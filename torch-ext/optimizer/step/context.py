@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .. import settings as options
+from ..settings import MuonSettings, settings_key
 from ..checks import gradient_problem, param_problem
 from ..distributed import agreement, groups
 from ..matrix_view import LayoutCache
@@ -39,17 +39,17 @@ from ..tensors import is_dtensor, local_view
 from .agreement import LocalFacts, count_nonfinite, describe, mesh_device, verdict
 
 
-def context_key(settings: options.MuonSettings, param_groups: Sequence[Mapping]) -> tuple:
+def context_key(settings: MuonSettings, param_groups: Sequence[Mapping]) -> tuple:
     """What a context depends on.  Parameters enter by identity (``id``: the cached context holds
     them, so an id cannot be reused while the key lives) and by what a step reads of them (shape,
-    dtype, placements, mesh, gradient and its dtype), settings by value (``settings.plan_key``)."""
+    dtype, placements, mesh, gradient and its dtype), settings by value (``settings.settings_key``)."""
     params = []
     for group in param_groups:
         for p in group["params"]:
             g = p.grad
             layout = (id(p.device_mesh), tuple(p.placements)) if is_dtensor(p) else None
             params.append((id(p), tuple(p.shape), p.dtype, layout, g is not None, None if g is None else g.dtype))
-    return tuple(params), options.plan_key(settings, param_groups)
+    return tuple(params), settings_key(settings, param_groups)
 
 
 class StepContext:
@@ -57,7 +57,7 @@ class StepContext:
     ``planned=False`` (the groups' options are refused this step): only what the agreement needs (the
     DTensor parameters' descriptions and the group it runs on) is built."""
 
-    def __init__(self, key: tuple, all_params: list[NamedParam], settings: options.MuonSettings,
+    def __init__(self, key: tuple, all_params: list[NamedParam], settings: MuonSettings,
                  param_groups: Sequence[Mapping], layouts: LayoutCache, implementations: Implementations, rank: int,
                  planned: bool = True):
         self.key = key

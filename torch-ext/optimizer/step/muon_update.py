@@ -21,7 +21,7 @@ from ..newton_schulz.implementation import Implementation
 from ..rule import (MatrixStep, OwnerStage, adjust_lr, momentum_, momentum_dtype, normuon_on, row_state_dtype,
                     work_dtype)
 from ..settings import MuonSettings
-from ..state_layout import MOMENTUM_KEY, ROW_STATE_KEY
+from ..checkpoint import MOMENTUM_KEY, ROW_STATE_KEY
 from ..tensors import is_dtensor, local_view
 from .context import StepContext
 
