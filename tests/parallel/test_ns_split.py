@@ -207,12 +207,12 @@ def test_normuon_without_the_whole_matrix_statistics_is_caught(monkeypatch, brok
     """Skip the all-reduce of a cut unit's statistics (the row sums of a column-cut wide unit, or
     the two norms of a row-cut tall one): each block is normalised with its own statistics, and
     the comparison with single-device NorMuon fails."""
-    from optimizer import rule
+    from optimizer.rule import normuon
 
     if broken == "row_sums":
-        monkeypatch.setattr(rule, "row_sums_of_squares", _local_row_sums)  # the forked ranks inherit it
+        monkeypatch.setattr(normuon, "row_sums_of_squares", _local_row_sums)  # the forked ranks inherit it
     else:
-        monkeypatch.setattr(rule, "sum_over_group", lambda t, group: t)
+        monkeypatch.setattr(normuon, "sum_over_group", lambda t, group: t)
     with pytest.raises(AssertionError):
         _check("fsdp_2", qk=False, extra=NORMUON)
 

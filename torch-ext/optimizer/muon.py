@@ -12,7 +12,7 @@ combinations, auto-sharding solver plans, ``_StridedShard``, uneven shards).  A 
      (``step/agreement.py``, ``distributed/agreement.py``): then all proceed, skip, or raise the
      same error;
   3. AdamW for the AdamW groups (``adamw.py``);
-  4. Muon (``step/muon_update.py``): the update rule (``rule.py``) run over the cached step plan
+  4. Muon (``step/muon_update.py``): the update rule (``rule/``) run over the cached step plan
      (``parallel/planning/plan.py``) by the runtime (``parallel/execution/pipeline.py``).
 
 Every option is declared once, in ``settings/declarations.py``; this class only wires them to torch's

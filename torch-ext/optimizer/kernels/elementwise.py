@@ -24,7 +24,7 @@ from .elementwise_reference import apply_update_reference, decay_factor, momentu
 from .operands import _overlap
 
 # What the fused stages take: their arithmetic is fp32 (torch's opmath for these); an fp64 step
-# keeps the torch formulas (rule.py), which compute it in fp64.
+# keeps the torch formulas (rule/formulas.py), which compute it in fp64.
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_DIMS = 3
 

@@ -75,7 +75,7 @@ class Implementation:
         """Whether a parameter's elementwise stages (momentum, Nesterov input, weight decay and
         update) run on the fused kernels: where they were chosen for the device and the pieces
         (parameter, momentum, gradient) are 16/32-bit floats of at most 3 dims. Elsewhere (fp64,
-        more dims) the torch formulas of rule.py run, unchanged."""
+        more dims) the torch formulas of rule/formulas.py run, unchanged."""
         return (self.fused_stages and takes(*(t.dtype for t in pieces))
                 and all(t.ndim <= MAX_DIMS for t in pieces))
 
