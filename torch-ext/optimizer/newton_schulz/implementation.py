@@ -69,7 +69,8 @@ class Implementation:
         """What runs the products of X's iteration in ``dtype`` (X normalised, short side first)."""
         if dtype in self.kernel_dtypes:
             return KernelProducts(kernel_backend.ProductRoute(self.ns_kernels, self.device_key))
-        return self._torch[uses_symmetric_blocks(X)]
+        # a branch, not an index: under torch.compile the shape test is a SymBool, which a tuple index refuses
+        return self._torch[1] if uses_symmetric_blocks(X) else self._torch[0]
 
     def fuses(self, *pieces: Tensor) -> bool:
         """Whether a parameter's elementwise stages (momentum, Nesterov input, weight decay and
