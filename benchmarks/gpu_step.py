@@ -160,12 +160,14 @@ def ns_contenders(device: torch.device, dtype: torch.dtype, modes: list[str]) ->
     from optimizer.newton_schulz import zeropower_via_newtonschulz
 
     out: dict[str, Callable] = {}
-    accepts_kernels = "kernels" in inspect.signature(zeropower_via_newtonschulz).parameters
+    parameters = inspect.signature(zeropower_via_newtonschulz).parameters
+    # the option's parameter, in builds before and after it was named for the option
+    option = next((name for name in ("ns_kernels", "kernels") if name in parameters), None)
     for mode in modes:
         if mode == "triton" and not _triton_usable(device):
             continue
         for form in ("auto", "classic", "gram"):
-            extra = {"kernels": mode} if accepts_kernels else {}
+            extra = {option: mode} if option else {}
             out[f"ours {mode}/{form}"] = (lambda G, form=form, extra=extra: zeropower_via_newtonschulz(
                 G, ns_steps=NS_STEPS, compute_dtype=dtype, method=form, **extra))
     try:

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     dist.all_reduce = _as_if_every_rank_agreed(dist.all_reduce)
     if args.split == "free":
         from optimizer.parallel.planning import plan_inputs
-        from optimizer.parallel.split_newton_schulz import SplitHardware
+        from optimizer.parallel.planning.cut_hardware import SplitHardware
 
         free = SplitHardware("free communication", 1e12, 1e12, 1e18, 0.0, torch.float32)
         plan_inputs.split_hardware = lambda device: free

@@ -64,17 +64,13 @@ import torch
 _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO / "torch-ext"))
 
-from optimizer.newton_schulz import (  # noqa: E402
-    NS_NORM_SAFETY,
-    _zeropower,
-    choose_ns_form,
-    choose_ns_method,
-    default_compute_dtype,
-    gram_restart_plan,
-    newton_schulz_flops,
-    resolve_ns_coefficients,
-    zeropower_via_newtonschulz,
+from optimizer.newton_schulz import zeropower_via_newtonschulz  # noqa: E402
+from optimizer.newton_schulz.coefficients import NS_NORM_SAFETY, resolve_ns_coefficients  # noqa: E402
+from optimizer.newton_schulz.forms import (  # noqa: E402
+    choose_ns_form, choose_ns_method, default_compute_dtype, newton_schulz_flops,
 )
+from optimizer.newton_schulz.restarts import gram_restart_plan  # noqa: E402
+from optimizer.newton_schulz.whole import zeropower_with_plan  # noqa: E402
 
 DEFAULT_SHAPES = ("4x64,32x128,64x128,48x192,64x256,"  # small: the Gram form's extra kernels decide
                   "512x512,1024x512,768x768,1024x1024,1024x1536,1024x4096,4096x1024,512x4096,512x2048,"
@@ -365,7 +361,7 @@ def run_form(G: torch.Tensor, name: str, ns_steps: int, dtype: torch.dtype, plan
     """The package's iteration (its normalisation and input/output rounding, ``ns_io_dtype``) on
     G, given as fp32, in ``dtype``: the classic form (``plan`` None) or the Gram form with ``plan``."""
     steps = resolve_ns_coefficients(name, ns_steps)
-    return _zeropower(G, steps, dtype, plan, NS_NORM_SAFETY[name], 1e-7)
+    return zeropower_with_plan(G, steps, dtype, plan, NS_NORM_SAFETY[name], 1e-7)
 
 
 def sv_error(Y: torch.Tensor, reference_sv: torch.Tensor) -> float:

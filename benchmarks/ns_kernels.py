@@ -15,8 +15,8 @@ default), the median time of:
 each kernel with every candidate tile of ``tiles.CUDA_CANDIDATES`` (``*``: the one the rule picks),
 and its largest difference from cuBLAS's result relative to the result's largest entry (a
 compiled-kernel correctness check: the tests run the kernels under the interpreter only). Then 5
-classic Newton–Schulz steps: the torch iteration (``newton_schulz._classic_iterations``) against
-``kernels.newton_schulz.classic_iterations`` with ``backend="auto"`` and ``"triton"``, and the
+classic Newton–Schulz steps (``newton_schulz.iteration.classic_iterations``) on torch's products
+against the products ``ns_kernels="auto"`` and ``"triton"`` resolve to, and the
 classic FLOP floor at the bf16 matmul rate measured in the same launch (8192^3). Ratios < 1 mean
 the kernels are faster.
 
@@ -68,9 +68,11 @@ def main(argv=None) -> dict:
 
     sys.path.insert(0, str(_REPO / "torch-ext"))
     from optimizer import kernels
-    from optimizer.kernels import newton_schulz as kernel_ns
+    from optimizer.kernels.environment import device_key
     from optimizer.kernels.tiles import CUDA_CANDIDATES, INTERPRETER_TILES, choose_tiles
-    from optimizer.newton_schulz import _classic_iterations, newton_schulz_flops
+    from optimizer.newton_schulz.forms import newton_schulz_flops
+    from optimizer.newton_schulz.implementation import ON_TORCH, resolve_implementation
+    from optimizer.newton_schulz.iteration import classic_iterations
 
     device = torch.device(device_type)
     reason = kernels.unavailable_reason(device)
@@ -109,7 +111,7 @@ def main(argv=None) -> dict:
         }
         row = {"shape": "x".join(map(str, shape)), "products": {}}
         for name, (kind, cublas, kernel, (m, n, k)) in products.items():
-            chosen = choose_tiles(kind, batch, m, n, k, dtype, *kernels.backend.device_key(device))
+            chosen = choose_tiles(kind, batch, m, n, k, dtype, *device_key(device))
             expected = cublas()
             entry = {"cublas_ms": timed(cublas), "tiles": {}}
             for label, tiles in candidates.items():
@@ -121,9 +123,10 @@ def main(argv=None) -> dict:
                 entry["tiles"][label + ("*" if tiles == chosen else "")] = {"ms": ms, "ratio": ms / entry["cublas_ms"], "max_rel_diff": diff}
             row["products"][name] = entry
         floor_ms = newton_schulz_flops(X.shape, len(STEPS)) / rate / 1e6  # rate in GFLOP/s
-        row["ns_torch_ms"] = timed(lambda: _classic_iterations(X, STEPS))
+        row["ns_torch_ms"] = timed(lambda: classic_iterations(X, STEPS, ON_TORCH.products(X, dtype)))
         for backend in ("auto", "triton"):
-            row[f"ns_kernels_{backend}_ms"] = timed(lambda: kernel_ns.classic_iterations(X, STEPS, backend=backend))
+            products = resolve_implementation(backend, device, (dtype,)).products(X, dtype)
+            row[f"ns_kernels_{backend}_ms"] = timed(lambda: classic_iterations(X, STEPS, products))
         row["floor_ms"] = floor_ms
         row["elementwise"] = _elementwise_stages(shape, device, timed)
         rows.append(row)

@@ -91,12 +91,12 @@ from model_shapes import ModelShapes, all_models, total_params  # noqa: E402
 from split_bound import expert_bound, lower_bound  # noqa: E402
 from optimizer.distributed.layout import MeshGrid, ParamLayout  # noqa: E402
 from optimizer.parallel.planning.plan_inputs import DEFAULT_REPLICA_FLOPS_PER_BYTE  # noqa: E402
-from optimizer.newton_schulz import newton_schulz_flops  # noqa: E402
+from optimizer.newton_schulz.forms import newton_schulz_flops  # noqa: E402
 from optimizer.parallel.planning.owners import chunked_critical_path  # noqa: E402
 from optimizer.parallel.planning.expert_moves import move_bytes, move_seconds  # noqa: E402
 from optimizer.parallel.planning.plan import (PlanParam, PlanSettings, WorldJob, ns_workspace,  # noqa: E402
                                      split_workspace, world_view)
-from optimizer.parallel.split_newton_schulz import CUDA_NVLINK, SplitHardware  # noqa: E402
+from optimizer.parallel.planning.cut_hardware import CUDA_NVLINK, SplitHardware  # noqa: E402
 from optimizer.parallel.planning.cut_geometry import lengths_along, piece_length, sub_shape  # noqa: E402
 from optimizer.parallel.planning.cut_model import SplitModel  # noqa: E402
 

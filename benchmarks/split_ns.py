@@ -44,13 +44,9 @@ _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO / "torch-ext"))
 
 from optimizer.newton_schulz import zeropower_via_newtonschulz  # noqa: E402
-from optimizer.parallel.split_newton_schulz import (  # noqa: E402
-    choose_b_split,
-    column_blocks,
-    hardware_for,
-    split_ns_cost,
-    split_zeropower_via_newtonschulz,
-)
+from optimizer.newton_schulz.cut import split_zeropower_via_newtonschulz  # noqa: E402
+from optimizer.parallel.planning.cut_cost import choose_b_split, column_blocks, split_ns_cost  # noqa: E402
+from optimizer.parallel.planning.cut_hardware import hardware_for  # noqa: E402
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:

@@ -78,7 +78,7 @@ sys.path.insert(0, str(_REPO / "torch-ext"))
 
 from optimizer import Muon, QKClipConfig  # noqa: E402
 from optimizer.testing import torch_muon_newton_schulz as torch_muon_ns_dtype  # noqa: E402
-from optimizer.newton_schulz import choose_ns_method, default_compute_dtype, newton_schulz_flops  # noqa: E402
+from optimizer.newton_schulz.forms import choose_ns_method, default_compute_dtype, newton_schulz_flops  # noqa: E402
 
 VARIANTS = ("parallel", "normuon", "cautious", "whole", "repeat", "classic", "gather", "torch", "titan", "adamw")
 # Muon's options per variant of this project's optimizer (the rest are as "parallel").

@@ -8,14 +8,16 @@ A generated block sits between two marker comments, ``<!-- NAME -->`` and ``<!--
 everything between them is replaced, everything outside is left alone.  The blocks:
 
 * ``options-table`` — every option of ``optimizer.Muon``, from the declarations in
-  ``optimizer/settings.py`` (``GROUP_OPTIONS`` and the fields of ``MuonSettings``);
+  ``optimizer/settings/declarations.py`` (``GROUP_OPTIONS`` and the fields of ``MuonSettings``);
 * ``config-matrix`` — one row per ``configs/*.toml``, read with ``examples.config.load_config``
   (ranks, mesh, attention) and the file's own header comment (what it is);
+* ``module-map`` — every module of ``torch-ext/optimizer`` with its docstring's first sentence
+  (``scripts/house.py``), in docs/architecture.md;
 * ``main-job-table``, ``main-job-hardware``, ``lr-sweep-table`` — the recorded main job and
   learning-rate sweep (``examples/results/``, through ``examples.report.recorded_blocks``).
 
 tests/docs/test_generated_docs.py fails when a committed file differs from what this script
-writes, so adding an option to settings.py (or a config) without rerunning it fails CI.
+writes, so adding an option to settings/declarations.py (or a config) without rerunning it fails CI.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def options_table(settings=None) -> str:
         elif keyword in alias_docs:
             where, meaning = "constructor only", alias_docs[keyword]
         else:
-            raise ValueError(f"gen_docs: constructor keyword {keyword!r} has no declaration or doc in settings.py")
+            raise ValueError(f"gen_docs: constructor keyword {keyword!r} has no declaration or doc in settings/declarations.py")
         position = settings.TORCH_POSITIONAL.index(keyword) + 1 if keyword in settings.TORCH_POSITIONAL else None
         name = f"`{keyword}`" + (f" (positional {position})" if position else "")
         rows.append((name, _code(default), where, meaning))
@@ -156,7 +158,13 @@ def generators() -> dict[str, Callable[[], str]]:
             return recorded_blocks(os.path.join(ROOT, RESULTS_DIR))[name]
         return block
 
-    out: dict[str, Callable[[], str]] = {"options-table": options_table, "config-matrix": config_matrix}
+    def module_map() -> str:
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
+        from house import module_map as the_map
+        return the_map()
+
+    out: dict[str, Callable[[], str]] = {"options-table": options_table, "config-matrix": config_matrix,
+                                         "module-map": module_map}
     out.update({name: recorded(name) for name in ("main-job-table", "main-job-hardware", "lr-sweep-table")})
     return out
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from optimizer.newton_schulz import NS_NORM_SAFETY, resolve_ns_coefficients
+from optimizer.newton_schulz.coefficients import NS_NORM_SAFETY, resolve_ns_coefficients
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -177,7 +177,8 @@ def newton_schulz_error_bound(
     Which products the CPU's symmetric-block shortcut skips, and how a batch is split, does not
     matter: every entry is still one sum of ``k`` products.
     """
-    from optimizer.newton_schulz import choose_ns_method, gram_restart_plan
+    from optimizer.newton_schulz.forms import choose_ns_method
+    from optimizer.newton_schulz.restarts import gram_restart_plan
 
     shape = tuple(int(d) for d in shape)
     m, n = shape[-2:]
@@ -217,7 +218,7 @@ def _classic_step_rounding(coefficients, S, F, s, l, dtype) -> float:
 
 
 def _gram_segment_rounding(segment, lo, S, F, s, l, dtype) -> float:
-    """Rounding of one Gram segment (``newton_schulz._gram_segment_factor``, then ``Q X``) on an
+    """Rounding of one Gram segment (``newton_schulz.iteration.gram_segment_factor``, then ``Q X``) on an
     ``s x l`` iterate of spectral norm <= S, Frobenius <= F.
 
     Each rounding error is carried to the segment's end through the exact maps that follow it.  All

@@ -51,7 +51,7 @@ from examples.train import synthetic_batch
 from harness import run_ranks
 from optimizer import Muon, QKClipConfig, get_default_muon_param_groups
 from optimizer.row_blocks import ROW_BLOCKS_KEY
-from optimizer.state_layout import LAYOUT_VERSION, QK_CLIP_KEY, VERSION_KEY
+from optimizer.checkpoint import LAYOUT_VERSION, QK_CLIP_KEY, VERSION_KEY
 from repo import CONFIGS
 
 CONFIG_DIR = str(CONFIGS)

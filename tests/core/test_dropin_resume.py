@@ -20,7 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from optimizer import Muon, get_default_muon_param_groups
-from optimizer.state_layout import canonical_name
+from optimizer.checkpoint import canonical_name
 
 
 class Block(nn.Module):

@@ -143,7 +143,9 @@ def counted_checks(monkeypatch):
             return option.check(value, where, context)
         return dataclasses.replace(option, check=check)
 
-    monkeypatch.setattr(settings, "GROUP_OPTIONS", tuple(counting(o) for o in settings.GROUP_OPTIONS))
+    counted = tuple(counting(o) for o in settings.GROUP_OPTIONS)
+    monkeypatch.setattr(settings.declarations, "GROUP_OPTIONS", counted)  # where it is declared
+    monkeypatch.setattr(settings, "GROUP_OPTIONS", counted)  # and where the package re-exports it
     return counts
 
 
@@ -173,7 +175,7 @@ def test_the_per_step_check_costs_per_group_not_per_parameter(counted_checks):
     small, _ = _checks_per_step(counted_checks, 2)
     large, changed = _checks_per_step(counted_checks, 64, lambda gs: gs[0].__setitem__("ns_steps", 4))
     assert small == large and small, (small, large)  # the same checks, however many parameters
-    plan_options = {o.name for o in settings.GROUP_OPTIONS if o.plan}
+    plan_options = {o.name for o in settings.GROUP_OPTIONS if o.shapes_plan}
     assert not plan_options & set(small), small  # the cached plan's options are not checked again
     assert set(small) >= {"lr", "momentum", "nesterov", "weight_decay", "betas"}
     assert small["lr"] == 3 * 2  # three steps, two groups

@@ -25,6 +25,13 @@ from harness import run_ranks
 from optimizer import Muon, MuonSettings, QKClipConfig, settings
 from optimizer.settings import GROUP_OPTIONS, MUON, GroupOption
 
+
+def declare(monkeypatch, name, value):
+    """A declaration changed for this test only: in the module that declares it, and in the package
+    that re-exports it (what editing the declaration changes)."""
+    monkeypatch.setattr(settings.declarations, name, value)
+    monkeypatch.setattr(settings, name, value)
+
 SPECS = [
     ("layers.0.attention.wq.weight", (8, 12), ["S0"]),
     ("layers.0.attention.wk.weight", (8, 12), ["S0"]),
@@ -116,7 +123,7 @@ def test_every_declared_option_set_differently_on_one_rank_is_refused_on_every_r
 
 def _option_field(default):
     return dataclasses.field(default=default, metadata={"declared": settings.Declared(
-        "a dummy option", lambda value, where, context: settings.check_number(where, value, low=0.0), plan=True)})
+        "a dummy option", lambda value, where, context: settings.check_number(where, value, low=0.0), shapes_plan=True)})
 
 
 @pytest.fixture
@@ -124,11 +131,11 @@ def dummy_options(monkeypatch):
     """``dummy`` (optimizer-wide) and ``dummy_beta`` (per Muon group), declared and nothing else."""
     with_dummy = dataclasses.make_dataclass(
         "MuonSettings", [("dummy", float, _option_field(0.5))], bases=(MuonSettings,), frozen=True)
-    with_dummy.__module__ = settings.__name__  # pickle finds it where it finds MuonSettings
-    monkeypatch.setattr(settings, "MuonSettings", with_dummy)
+    with_dummy.__module__ = settings.declarations.__name__  # pickle finds it where it finds MuonSettings
+    declare(monkeypatch, "MuonSettings", with_dummy)
     dummy_beta = GroupOption("dummy_beta", (MUON,), 0.25, "a dummy group option",
-                             lambda value, where, context: settings.check_number(where, value, low=0.0), plan=True)
-    monkeypatch.setattr(settings, "GROUP_OPTIONS", (*GROUP_OPTIONS, dummy_beta))
+                             lambda value, where, context: settings.check_number(where, value, low=0.0), shapes_plan=True)
+    declare(monkeypatch, "GROUP_OPTIONS", (*GROUP_OPTIONS, dummy_beta))
 
 
 def _net():

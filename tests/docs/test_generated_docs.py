@@ -1,5 +1,5 @@
 """The tables that restate code are generated (``scripts/gen_docs.py``), and the committed docs are
-what the generator writes: an option added to settings.py, or a config added to configs/, without
+what the generator writes: an option added to settings/declarations.py, or a config added to configs/, without
 rerunning ``python scripts/gen_docs.py`` fails here."""
 
 from __future__ import annotations
@@ -20,6 +20,13 @@ from optimizer import MuonSettings, settings
 from optimizer.settings import GROUP_OPTIONS, MUON, GroupOption
 
 
+def declare(monkeypatch, name, value):
+    """A declaration changed for this test only: in the module that declares it, and in the package
+    that re-exports it (what editing the declaration changes)."""
+    monkeypatch.setattr(settings.declarations, name, value)
+    monkeypatch.setattr(settings, name, value)
+
+
 def test_committed_docs_are_what_gen_docs_writes():
     assert gen_docs.stale() == [], "run: python scripts/gen_docs.py"
 
@@ -36,7 +43,7 @@ def _check(value, where, context):
 
 def test_a_group_option_added_to_settings_fails_until_regenerated(monkeypatch):
     dummy = GroupOption("dummy_beta", (MUON,), 0.25, "a dummy group option", _check)
-    monkeypatch.setattr(settings, "GROUP_OPTIONS", (*GROUP_OPTIONS, dummy))
+    declare(monkeypatch, "GROUP_OPTIONS", (*GROUP_OPTIONS, dummy))
     assert gen_docs.stale() == ["docs/api.md"]
     assert "| `dummy_beta` | `0.25` | per group (Muon) | a dummy group option |" in gen_docs.options_table()
 
@@ -45,7 +52,7 @@ def test_an_optimizer_option_added_to_settings_fails_until_regenerated(monkeypat
     field = dataclasses.field(default=0.5, metadata={"declared": settings.Declared("a dummy option", _check)})
     with_dummy = dataclasses.make_dataclass("MuonSettings", [("dummy", float, field)], bases=(MuonSettings,),
                                             frozen=True)
-    monkeypatch.setattr(settings, "MuonSettings", with_dummy)
+    declare(monkeypatch, "MuonSettings", with_dummy)
     assert gen_docs.stale() == ["docs/api.md"]
     assert "| `dummy` | `0.5` | global (`opt.settings`) | a dummy option |" in gen_docs.options_table()
 

@@ -40,7 +40,7 @@ def test_step_time_fsdp_two_ranks(tmp_path):
     result = json.loads((tmp_path / "step_time_smoke.json").read_text())
     md = (tmp_path / "step_time_smoke.md").read_text()
 
-    from optimizer.newton_schulz import choose_ns_method
+    from optimizer.newton_schulz.forms import choose_ns_method
 
     # a 1-D FSDP mesh has no replicas; at these sizes auto picks the classic form for every matrix,
     # so the classic-only variant would be parallel Muon again and is left out; and nothing is cut
@@ -186,7 +186,7 @@ def test_torch_muon_stand_in_is_torchs_own_in_bf16():
 
 
 def test_ns_efficiency_runs_and_symmetric_prototype_matches(tmp_path):
-    from optimizer.newton_schulz import choose_ns_method, newton_schulz_flops
+    from optimizer.newton_schulz.forms import choose_ns_method, newton_schulz_flops
 
     ns = load_benchmark("ns_efficiency")
     result = ns.main(["--shapes", "48x32,2x16x24,48x512", "--repeats", "1", "--sym-min-block", "4",
@@ -238,7 +238,7 @@ def test_ns_restart_study_runs_and_judges_the_band(tmp_path):
     """--restart-study on tiny matrices: every (dtype, table, steps, input) row, the package's plans,
     and the verdicts that hold at any size: bf16's plan is the classic iteration (the same errors),
     fp32 stays far inside the band, no restart is outside it in 16 bits."""
-    from optimizer.newton_schulz import gram_restart_plan
+    from optimizer.newton_schulz.restarts import gram_restart_plan
 
     ns = load_benchmark("ns_efficiency")
     result = ns.main(["--restart-study", "--study-shape", "8x24", "--study-seeds", "1", "--out", str(tmp_path),

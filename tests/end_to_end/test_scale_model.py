@@ -24,9 +24,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from optimizer.distributed.layout import MeshGrid, ParamLayout
-from optimizer.newton_schulz import newton_schulz_flops
+from optimizer.newton_schulz.forms import newton_schulz_flops
 from optimizer.parallel.planning.plan import MoveChunk, PlanParam, PlanSettings, build_plan, split_workspace, world_jobs
-from optimizer.parallel.split_newton_schulz import SplitHardware
+from optimizer.parallel.planning.cut_hardware import SplitHardware
 from repo import load_benchmark
 
 RANKS = [8, 64]

@@ -22,9 +22,9 @@ import torch
 from torch.distributed.tensor import Shard
 
 from optimizer.distributed.layout import MeshGrid, ParamLayout
-from optimizer.newton_schulz import newton_schulz_flops
+from optimizer.newton_schulz.forms import newton_schulz_flops
 from optimizer.parallel.planning.plan_data import PlanParam
-from optimizer.parallel.split_newton_schulz import SplitHardware
+from optimizer.parallel.planning.cut_hardware import SplitHardware
 from optimizer.parallel.planning.cut_model import SplitModel
 from repo import load_benchmark
 

@@ -136,8 +136,8 @@ EXTRA_TARGET_LAYOUTS = ("aligned", "ragged")
 
 def product_launches(capability: tuple[int, int], layouts=PRODUCT_LAYOUTS, dtypes=PRODUCT_DTYPES,
                      tiles_list: list[Tiles] | None = None) -> Iterator[Launch]:
-    """Every product call of the Newton–Schulz iterations (kernels/newton_schulz.py,
-    parallel/split_products.py), in every dtype, tile the rule can pick on ``capability``
+    """Every product call of the Newton–Schulz iterations (newton_schulz/iteration.py and cut.py,
+    on the kernels), in every dtype, tile the rule can pick on ``capability``
     (``tiles_list`` instead, if given) and layout."""
     sym, gen = symmetric_kernel.symmetric_matmul_triton, matmul_add_kernel.matmul_add_triton
     for dtype in dtypes:

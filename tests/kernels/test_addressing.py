@@ -13,7 +13,7 @@ import torch
 from optimizer import Muon, kernels
 from optimizer.kernels import addressing
 from optimizer.kernels.addressing import newton_schulz_problem, overlaps_itself, product_problem
-from optimizer.ns_kernels import shape_problem
+from optimizer.newton_schulz.implementation import shape_problem
 
 INT32_MAX = 2**31 - 1
 
@@ -219,9 +219,9 @@ def test_newton_schulz_problem_is_exactly_what_the_iteration_passes(monkeypatch,
     limit(largest)
     assert shape_problem("triton", shape) is None
     for method in ("classic", "gram"):
-        zeropower_via_newtonschulz(G, ns_steps=5, compute_dtype=torch.float32, method=method, kernels="triton")
+        zeropower_via_newtonschulz(G, ns_steps=5, compute_dtype=torch.float32, method=method, ns_kernels="triton")
     limit(largest - 1)
     assert shape_problem("triton", shape) is not None
     for method in ("classic", "gram"):
         with pytest.raises(ValueError, match="cannot run this product"):
-            zeropower_via_newtonschulz(G, ns_steps=5, compute_dtype=torch.float32, method=method, kernels="triton")
+            zeropower_via_newtonschulz(G, ns_steps=5, compute_dtype=torch.float32, method=method, ns_kernels="triton")

@@ -1,5 +1,5 @@
-"""The kernels' dispatcher (optimizer/kernels/__init__.py, backend.py, operands.py, tiles.py,
-reference.py): which implementation a call gets, bad input refused by name before anything is
+"""The kernels' dispatcher (optimizer/kernels/__init__.py, backend.py, environment.py, operands.py,
+tiles.py, reference.py): which implementation a call gets, bad input refused by name before anything is
 written, the package without Triton, the tile rule, and the torch references against fp64."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from kernel_bounds import assert_within_rounding
 
 from optimizer import kernels
-from optimizer.kernels import backend as kernel_backend
+from optimizer.kernels import environment
 from optimizer.kernels.tiles import CUDA_CANDIDATES, INTERPRETER_TILES, choose_tiles
 from repo import REPO
 
@@ -75,11 +75,11 @@ def test_auto_uses_torch_for_general_products_on_cuda(monkeypatch):
     """On a (pretended) supported GPU, "auto" sends symmetric products that span two tile rows to
     the kernel and general products, and one-tile-row symmetric ones, to torch. Decided before any
     launch, so the CPU tensors below never reach one."""
+    from pretend_gpu import pretend_auto_takes_the_kernels
+
     calls = []
-    monkeypatch.setattr(kernel_backend, "resolve", lambda backend, device, dtype: "triton")
-    monkeypatch.setattr(kernel_backend, "device_key", lambda device: ((9, 0), 132))
-    monkeypatch.setattr(kernels, "resolve", kernel_backend.resolve)
     pytest.importorskip("triton")
+    pretend_auto_takes_the_kernels(monkeypatch)
     from optimizer.kernels import matmul_add_kernel, symmetric_kernel
 
     monkeypatch.setattr(symmetric_kernel, "symmetric_matmul_triton", lambda *a, **k: calls.append("sym"))
@@ -105,10 +105,10 @@ def test_available_and_reasons():
 
 
 def test_cpu_without_the_interpreter_is_refused_by_name(monkeypatch):
-    monkeypatch.setattr(kernel_backend, "interpreting", lambda: False)
+    monkeypatch.setattr(environment, "interpreting", lambda: False)
     reason = kernels.unavailable_reason("cpu")
     assert reason is None or "TRITON_INTERPRET=1" in reason
-    if kernel_backend.triton_import_error() is None:
+    if environment.triton_import_error() is None:
         with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1"):
             kernels.syrk(randn(4, 4), backend="triton")
 

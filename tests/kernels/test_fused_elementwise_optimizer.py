@@ -45,16 +45,16 @@ LAUNCHES: dict[str, int] = {}  # the fused kernels' launches (module-level: fork
 def products_on_torch(monkeypatch):
     """Newton–Schulz's products on torch's matmuls whatever ``ns_kernels`` says; counts the fused
     elementwise kernels' launches."""
-    from optimizer import rule
+    from optimizer.newton_schulz import group
     from optimizer.kernels import elementwise_kernel
 
-    real = rule.zeropower_via_newtonschulz
+    real = group.zeropower_via_newtonschulz
 
     def on_torch(*args, **kwargs):
-        kwargs["kernels"] = "torch"
+        kwargs["ns_kernels"] = "torch"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rule, "zeropower_via_newtonschulz", on_torch)
+    monkeypatch.setattr(group, "zeropower_via_newtonschulz", on_torch)
     counts = LAUNCHES
     counts.update(momentum_nesterov=0, apply_update=0)
 
@@ -88,10 +88,10 @@ class NewtonSchulzCalls:
 
 @pytest.fixture
 def newton_schulz_calls(products_on_torch, monkeypatch):
-    from optimizer import rule
+    from optimizer.newton_schulz import group
 
     calls = NewtonSchulzCalls()
-    inner = rule.zeropower_via_newtonschulz  # products_on_torch's
+    inner = group.zeropower_via_newtonschulz  # products_on_torch's
 
     def recorded(x, *args, **kwargs):
         if calls.replay is None:
@@ -104,7 +104,7 @@ def newton_schulz_calls(products_on_torch, monkeypatch):
         calls.outputs.append(out.detach().clone())
         return out
 
-    monkeypatch.setattr(rule, "zeropower_via_newtonschulz", recorded)
+    monkeypatch.setattr(group, "zeropower_via_newtonschulz", recorded)
     return calls
 
 

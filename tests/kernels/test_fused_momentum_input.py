@@ -213,21 +213,21 @@ def products_on_torch():
     cut ones (the interpreter runs them ~50x slower, and they are the same in both orders: their
     kernels are tested in test_symmetric_kernel.py, tests/parallel/test_ns_kernels.py and
     test_split_ns_kernels.py); the elementwise stages stay on the fused kernels."""
-    from optimizer import rule
+    from optimizer.newton_schulz import group
 
     names = ("zeropower_via_newtonschulz", "split_zeropower_via_newtonschulz")
-    real = {name: getattr(rule, name) for name in names}
+    real = {name: getattr(group, name) for name in names}
 
     def on_torch(fn):
-        return lambda *args, **kwargs: fn(*args, **{**kwargs, "kernels": "torch"})
+        return lambda *args, **kwargs: fn(*args, **{**kwargs, "ns_kernels": "torch"})
 
     for name in names:
-        setattr(rule, name, on_torch(real[name]))
+        setattr(group, name, on_torch(real[name]))
     try:
         yield
     finally:
         for name in names:
-            setattr(rule, name, real[name])
+            setattr(group, name, real[name])
 
 
 @contextlib.contextmanager

@@ -14,8 +14,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from optimizer import ns_kernels  # noqa: E402
 from optimizer.kernels import backend as kernel_backend  # noqa: E402
+from optimizer.kernels import environment  # noqa: E402
+from optimizer.newton_schulz.implementation import Implementations, resolve_implementation  # noqa: E402
 from optimizer.kernels import elementwise_kernel, matmul_add_kernel, self_check, symmetric_kernel  # noqa: E402
 from optimizer.kernels.tiles import CUDA_CANDIDATES, INTERPRETER_TILES, choose_tiles  # noqa: E402
 
@@ -114,13 +115,13 @@ def test_broken_elementwise_kernels_are_named(monkeypatch, stage):
 
 @pytest.fixture
 def pretend_gpu(monkeypatch):
-    """backend.py believes cuda:0 is an H100 with Triton compiled for it; the self-check's answer is
+    """backend.py (through environment.py) believes cuda:0 is an H100 with Triton compiled for it; the self-check's answer is
     what the test sets in ``outcome`` (nothing here touches a GPU)."""
     outcome = {"reason": None, "asked": []}
-    monkeypatch.setattr(kernel_backend, "triton_import_error", lambda: None)
-    monkeypatch.setattr(kernel_backend, "interpreting", lambda: False)
-    monkeypatch.setattr(kernel_backend, "cuda_properties", lambda index: ((9, 0), 132, False))
-    monkeypatch.setattr(kernel_backend, "_index", lambda device: 0)
+    monkeypatch.setattr(environment, "triton_import_error", lambda: None)
+    monkeypatch.setattr(environment, "interpreting", lambda: False)
+    monkeypatch.setattr(environment, "cuda_properties", lambda index: ((9, 0), 132, False))
+    monkeypatch.setattr(environment, "device_index", lambda device: 0)
 
     def failure(kind, device, dtype=None):
         outcome["asked"].append((kind, dtype))
@@ -140,17 +141,22 @@ def test_on_a_gpu_auto_takes_the_kernels_only_where_they_passed(pretend_gpu):
         kernel_backend.resolve("triton", "cuda:0", torch.bfloat16)
 
 
+def kernels_problem(mode, device, dtype):
+    """What resolving ``ns_kernels=mode`` for products in ``dtype`` (and the stages) finds wrong."""
+    return resolve_implementation(mode, device, (dtype,)).problem
+
+
 def test_the_optimizer_option_refuses_triton_and_lets_auto_fall_back(pretend_gpu):
-    assert ns_kernels.kernels_problem("auto", "cuda:0", torch.float16) is None
+    assert kernels_problem("auto", "cuda:0", torch.float16) is None
     assert ("products", torch.float16) in pretend_gpu["asked"] and ("elementwise", None) in pretend_gpu["asked"]
-    assert ns_kernels.kernels_problem("triton", "cuda:0", torch.float16) is None
+    assert kernels_problem("triton", "cuda:0", torch.float16) is None
     pretend_gpu["reason"] = "RuntimeError: PassManager::run failed"
-    assert ns_kernels.kernels_problem("auto", "cuda:0", torch.float16) is None
-    problem = ns_kernels.kernels_problem("triton", "cuda:0", torch.float16)
+    assert kernels_problem("auto", "cuda:0", torch.float16) is None
+    problem = kernels_problem("triton", "cuda:0", torch.float16)
     assert "PassManager::run failed" in problem and "ns_kernels='auto'" in problem, problem
-    assert ns_kernels.resolve("auto", torch.device("cuda:0"), torch.float16) == "torch"
+    assert torch.float16 not in resolve_implementation("auto", torch.device("cuda:0"), (torch.float16,)).kernel_dtypes
     asked = len(pretend_gpu["asked"])
-    assert ns_kernels.kernels_problem("torch", "cuda:0", torch.float16) is None  # torch: nothing to check
+    assert kernels_problem("torch", "cuda:0", torch.float16) is None  # torch: nothing to check
     assert len(pretend_gpu["asked"]) == asked
 
 
@@ -183,21 +189,22 @@ def test_a_failure_is_checked_once_and_warned_once(monkeypatch):
 
 
 def test_adding_a_group_on_a_gpu_runs_the_check_for_each_forms_dtype_and_a_step_does_not(pretend_gpu):
-    """Muon checks a group's parameters when the group is added (``adding=True``): on a GPU with
-    ``"auto"`` that runs the first-use check in the classic form's bf16 and the Gram form's fp16,
-    and for the elementwise stages; a step's own check leaves "auto" alone (nothing to refuse)."""
+    """Muon resolves a group's ``ns_kernels`` when the group is added (``Implementations``): on a
+    GPU with ``"auto"`` that runs the first-use check in the classic form's bf16 and the Gram
+    form's fp16, and for the elementwise stages; a step's own check asks nothing again (the
+    resolution is kept), for "auto" as for "triton"."""
     from types import SimpleNamespace
 
-    from optimizer.checks import kernels_param_problem
-
-    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))  # what local_view(param).device reads
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0), shape=(8, 12))  # what local_view(param) reads
     auto, triton = {"use_muon": True, "ns_kernels": "auto"}, {"use_muon": True, "ns_kernels": "triton"}
-    assert kernels_param_problem("w", on_gpu, auto, None) is None
-    assert pretend_gpu["asked"] == []
-    assert kernels_param_problem("w", on_gpu, auto, None, adding=True) is None
+    implementations = Implementations()
+    assert implementations.param_problem("w", on_gpu, auto, None) is None  # the group added
     assert set(pretend_gpu["asked"]) == {("products", torch.bfloat16), ("products", torch.float16), ("elementwise", None)}
+    pretend_gpu["asked"].clear()
+    assert implementations.param_problem("w", on_gpu, auto, None) is None  # a step
+    assert pretend_gpu["asked"] == []
     pretend_gpu["reason"] = "RuntimeError: out of resource: shared memory"
-    assert kernels_param_problem("w", on_gpu, auto, None, adding=True) is None
-    problem = kernels_param_problem("layers.0.wq", on_gpu, triton, None)
+    assert Implementations().param_problem("w", on_gpu, auto, None) is None
+    problem = implementations.param_problem("layers.0.wq", on_gpu, triton, None)
     assert problem.startswith("Muon: parameter 'layers.0.wq'") and "shared memory" in problem, problem
-    assert kernels_param_problem("w", on_gpu, {"use_muon": False, "ns_kernels": "triton"}, None) is None
+    assert implementations.param_problem("w", on_gpu, {"use_muon": False, "ns_kernels": "triton"}, None) is None

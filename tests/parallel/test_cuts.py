@@ -16,9 +16,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from optimizer.distributed.layout import MeshGrid, ParamLayout
-from optimizer.newton_schulz import newton_schulz_flops
+from optimizer.newton_schulz.forms import newton_schulz_flops
 from optimizer.parallel.planning.plan import PlanParam, PlanSettings, build_plan, world_jobs
-from optimizer.parallel.split_newton_schulz import CPU_GLOO, CUDA_NVLINK, SplitHardware
+from optimizer.parallel.planning.cut_hardware import CPU_GLOO, CUDA_NVLINK, SplitHardware
 from optimizer.parallel.planning.cut_choice import assign_paired, choose_cuts, choose_ks
 from optimizer.parallel.planning.cut_geometry import block_widths, canonical_sets, cut_blocks
 from optimizer.parallel.planning.cut_model import (SPLIT_MAX_RANKS, CutOptions, SplitModel, aligned_groups, auto_ks,

@@ -28,10 +28,10 @@ from dist_cases import (build_groups, make_case_tensors, owned_matrices_of_one_s
                         run_reference, to_dtensor)
 from harness import run_ranks
 from optimizer.distributed.layout import MeshGrid, ParamLayout
-from optimizer.newton_schulz import newton_schulz_flops
+from optimizer.newton_schulz.forms import newton_schulz_flops
 from optimizer.parallel.planning.plan import MoveChunk, PlanParam, PlanSettings, build_plan, world_jobs
 from optimizer.parallel.planning.expert_moves import move_seconds
-from optimizer.parallel.split_newton_schulz import CPU_GLOO, SplitHardware
+from optimizer.parallel.planning.cut_hardware import CPU_GLOO, SplitHardware
 from optimizer.parallel.planning.cut_model import SplitModel
 
 ATOL, RTOL = 1e-5, 1e-5  # fp32 rounding of a differently ordered Gram sum (cut units); moved whole: exact

@@ -129,13 +129,13 @@ def _kw(extra, kernels):
 @contextlib.contextmanager
 def launches_in_cut_units():
     """In this process: the kernel launches made inside each call of the cut iteration (the
-    ``ns_split`` units, ``rule.split_zeropower_via_newtonschulz``), one count per call."""
-    from optimizer import rule
+    ``ns_split`` units, what ``NewtonSchulz.split`` calls), one count per call."""
     from optimizer.kernels import matmul_add_kernel, symmetric_kernel
+    from optimizer.newton_schulz import group
 
     per_call: list[int] = []
     inside = [False]
-    patched = [(rule, "split_zeropower_via_newtonschulz"), (symmetric_kernel, "symmetric_matmul_triton"),
+    patched = [(group, "split_zeropower_via_newtonschulz"), (symmetric_kernel, "symmetric_matmul_triton"),
                (matmul_add_kernel, "matmul_add_triton")]
     saved = [getattr(*where) for where in patched]
     split, symmetric, general = saved
@@ -204,10 +204,10 @@ def _world(shape):
 
 def test_triton_where_it_cannot_run_is_refused_before_anything_changes(monkeypatch):
     from optimizer import Muon
-    from optimizer.kernels import backend
+    from optimizer.kernels import environment
 
     w = torch.nn.Parameter(torch.randn(8, 12))
-    monkeypatch.setattr(backend, "triton_import_error", lambda: "the triton package does not import (test)")
+    monkeypatch.setattr(environment, "triton_import_error", lambda: "the triton package does not import (test)")
     with pytest.raises(ValueError, match=r"ns_kernels='triton' cannot run .*triton package does not import.*"
                                          r"use ns_kernels='auto'.*param_groups\[0\] ns_kernels"):
         Muon([w], lr=0.1, ns_kernels="triton")
@@ -252,8 +252,10 @@ def test_auto_where_the_kernels_run_keeps_cublas_for_the_general_products(monkey
     product on the kernels. What docs/kernels.md and the GPU predictions assume."""
     from pretend_gpu import pretend_auto_takes_the_kernels
 
-    from optimizer.newton_schulz import (choose_ns_form, gram_restart_plan, resolve_ns_coefficients,
-                                         zeropower_via_newtonschulz)
+    from optimizer.newton_schulz import zeropower_via_newtonschulz
+    from optimizer.newton_schulz.coefficients import resolve_ns_coefficients
+    from optimizer.newton_schulz.forms import choose_ns_form
+    from optimizer.newton_schulz.restarts import gram_restart_plan
 
     pretend_auto_takes_the_kernels(monkeypatch)
     gen = torch.Generator().manual_seed(5)
@@ -269,7 +271,7 @@ def test_auto_where_the_kernels_run_keeps_cublas_for_the_general_products(monkey
     for name, G in (("large", large), ("small", small)):
         for mode in ("auto", "triton"):
             before = dict(kernel_launches)
-            zeropower_via_newtonschulz(G, 5, compute_dtype=torch.float32, method=method, kernels=mode)
+            zeropower_via_newtonschulz(G, 5, compute_dtype=torch.float32, method=method, ns_kernels=mode)
             seen[name, mode] = {k: kernel_launches[k] - before[k] for k in before}
     assert seen == {("large", "auto"): {"symmetric": symmetric, "general": 0},
                     ("large", "triton"): {"symmetric": symmetric, "general": general},

@@ -158,7 +158,7 @@ def test_cut_units_sharing_a_group_run_as_one_call():
 
 
 def test_the_gram_case_runs_the_gram_form():
-    from optimizer.newton_schulz import choose_ns_method
+    from optimizer.newton_schulz.forms import choose_ns_method
 
     for _, shape, _ in CASES["gram_form_2"][1]:
         assert choose_ns_method(shape, 5, "auto", torch.float32) == "gram"
@@ -196,7 +196,7 @@ def test_normuon_units_are_cut_and_equal_single_device(name):
 
 def _local_row_sums(block, group, rows_whole):
     """row_sums_of_squares without its all-reduce: this block's own row sums."""
-    from optimizer.parallel.split_newton_schulz import squares_per_row
+    from optimizer.newton_schulz.cut_rows import squares_per_row
 
     sums = squares_per_row(block)
     return sums, sums.sum(-1)
@@ -207,12 +207,12 @@ def test_normuon_without_the_whole_matrix_statistics_is_caught(monkeypatch, brok
     """Skip the all-reduce of a cut unit's statistics (the row sums of a column-cut wide unit, or
     the two norms of a row-cut tall one): each block is normalised with its own statistics, and
     the comparison with single-device NorMuon fails."""
-    from optimizer import rule
+    from optimizer.rule import normuon
 
     if broken == "row_sums":
-        monkeypatch.setattr(rule, "row_sums_of_squares", _local_row_sums)  # the forked ranks inherit it
+        monkeypatch.setattr(normuon, "row_sums_of_squares", _local_row_sums)  # the forked ranks inherit it
     else:
-        monkeypatch.setattr(rule, "sum_over_group", lambda t, group: t)
+        monkeypatch.setattr(normuon, "sum_over_group", lambda t, group: t)
     with pytest.raises(AssertionError):
         _check("fsdp_2", qk=False, extra=NORMUON)
 
@@ -291,7 +291,7 @@ BIG = [("a", (256, 1024), ["S0"]), ("b", (1024, 256), ["S1"])]  # two big matric
 
 def _fast_link():
     """A link so fast that only FLOPs count: "auto" cuts as far as it may."""
-    from optimizer.parallel.split_newton_schulz import SplitHardware
+    from optimizer.parallel.planning.cut_hardware import SplitHardware
 
     return SplitHardware("test: free communication", 1e12, 1e12, 1e18, 1e-12, torch.float32)
 
@@ -410,7 +410,7 @@ def test_bf16_split_is_within_bf16_newton_schulz_noise():
 
 
 def _row_sums(rank, world_size):
-    from optimizer.parallel.split_newton_schulz import row_sums_of_squares
+    from optimizer.newton_schulz.cut_rows import row_sums_of_squares
 
     g = torch.Generator().manual_seed(3)
     wide, tall = torch.randn(2, 6, 20, generator=g), torch.randn(2, 20, 6, generator=g)

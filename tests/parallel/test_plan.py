@@ -15,7 +15,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.utils.flop_counter import FlopCounterMode
 
 from optimizer.distributed.layout import MeshGrid, ParamLayout
-from optimizer.newton_schulz import newton_schulz_flops, zeropower_via_newtonschulz
+from optimizer.newton_schulz import zeropower_via_newtonschulz
+from optimizer.newton_schulz.forms import newton_schulz_flops
 from optimizer.parallel.planning.plan import PlanParam, PlanSettings, build_plan, world_jobs
 
 

@@ -23,9 +23,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from optimizer.distributed.layout import MeshGrid, ParamLayout
-from optimizer.newton_schulz import newton_schulz_flops
+from optimizer.newton_schulz.forms import newton_schulz_flops
 from optimizer.parallel.planning.plan import Chunk, MoveChunk, PlanParam, PlanSettings, build_plan, world_jobs
-from optimizer.parallel.split_newton_schulz import CPU_GLOO, SplitHardware
+from optimizer.parallel.planning.cut_hardware import CPU_GLOO, SplitHardware
 from optimizer.parallel.planning.cut_model import SplitModel
 
 FREE = SplitHardware("test: free communication", 1e12, 1e12, 1e18, 1e-12, torch.float32)

@@ -131,7 +131,7 @@ def _fake_world(world: int, rank: int, monkeypatch):
     from optimizer import Muon
     from optimizer.parallel.planning import plan_inputs
     from optimizer.distributed.placements import local_indices
-    from optimizer.parallel.split_newton_schulz import SplitHardware
+    from optimizer.parallel.planning.cut_hardware import SplitHardware
 
     free = SplitHardware("test: free communication", 1e12, 1e12, 1e18, 1e-12, torch.float32)
     monkeypatch.setattr(plan_inputs, "split_hardware", lambda device: free)

@@ -1,4 +1,4 @@
-"""Newton-Schulz split by columns over k gloo ranks (optimizer.parallel.split_newton_schulz) against the
+"""Newton-Schulz split by columns over k gloo ranks (optimizer.newton_schulz.cut) against the
 unsplit ``zeropower_via_newtonschulz`` of the whole matrix, and its cost model.
 
 Reference: the unsplit call on the full matrix, on every rank (same inputs, seeded). Stated
@@ -37,19 +37,14 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from harness import run_ranks
-from optimizer.newton_schulz import (choose_ns_form, choose_ns_method, gram_restart_plan, newton_schulz_flops,
-                                     zeropower_via_newtonschulz)
-from optimizer.parallel.split_newton_schulz import (
-    CPU_GLOO,
-    CUDA_NVLINK,
-    _split_ns,
-    choose_b_split,
-    choose_split_ranks,
-    column_blocks,
-    split_critical_path,
-    split_ns_cost,
-    split_zeropower_via_newtonschulz,
+from optimizer.newton_schulz import zeropower_via_newtonschulz
+from optimizer.newton_schulz.forms import choose_ns_form, choose_ns_method, newton_schulz_flops
+from optimizer.newton_schulz.restarts import gram_restart_plan
+from optimizer.newton_schulz.cut import _split_ns, split_zeropower_via_newtonschulz
+from optimizer.parallel.planning.cut_cost import (
+    choose_b_split, choose_split_ranks, column_blocks, split_critical_path, split_ns_cost,
 )
+from optimizer.parallel.planning.cut_hardware import CPU_GLOO, CUDA_NVLINK
 from optimizer.testing import HostSyncs
 from tolerances import newton_schulz_atol
 
@@ -194,7 +189,7 @@ def test_gram_recursion_by_rows_equals_unsplit(k):
 def _skipped_restart(rank, k, recursion):
     """The rank-3 input of the hard cases over 10 steps (plan (5, 5)), split, with the restart
     plan as the package has it and with the restart skipped (one 10-step segment, in the split only)."""
-    from optimizer.parallel import split_newton_schulz as split_module
+    from optimizer.newton_schulz import cut as split_module
 
     G = hard_matrix("lowrank", (24, 96))
     widths = [s.stop - s.start for s in column_blocks(96, k)]
@@ -346,7 +341,8 @@ def test_auto_takes_the_whole_matrixs_form_not_the_blocks():
     """"auto" chooses on the whole matrix's shape, as the unsplit call does: the Gram form (fp32:
     one 5-step segment, A and Q recorded; fp16: (2, 2, 1), 2 + 2 + 2), not the classic form its
     blocks alone would get (10 matrices: A and B per step)."""
-    from optimizer.newton_schulz import choose_ns_method, gram_restart_plan
+    from optimizer.newton_schulz.forms import choose_ns_method
+    from optimizer.newton_schulz.restarts import gram_restart_plan
 
     assert choose_ns_method((64, 128), 5, "auto", torch.float32) == "classic"
     assert choose_ns_method((64, 256), 5, "auto", torch.float32) == "gram"

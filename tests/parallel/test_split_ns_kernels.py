@@ -1,5 +1,5 @@
-"""Newton–Schulz of a matrix cut over ranks (``ns_split``: parallel/split_newton_schulz.py) with its
-products on the Triton kernels (``kernels="triton"``, run on CPU tensors under Triton's
+"""Newton–Schulz of a matrix cut over ranks (``ns_split``: newton_schulz/cut.py) with its
+products on the Triton kernels (``ns_kernels="triton"``, run on CPU tensors under Triton's
 interpreter: tests/conftest.py sets ``TRITON_INTERPRET=1``), on 3 forked gloo ranks with uneven
 block widths.
 
@@ -12,7 +12,7 @@ References, all computed here per case:
   to it as the torch split and as the unsplit kernels call are (relative Frobenius distance at
   most twice theirs, plus 4 units of the dtype's rounding), the criterion of
   tests/kernels/test_kernel_newton_schulz.py: "equal within the compute dtype's rounding";
-* the unsplit kernels call (``zeropower_via_newtonschulz(kernels="triton")``) in 16 bits: within
+* the unsplit kernels call (``zeropower_via_newtonschulz(ns_kernels="triton")``) in 16 bits: within
   the split tolerances test_split_newton_schulz.py documents for the torch split against the
   unsplit call (bf16: max 5e-2, rms 8e-3; fp16: max 1e-2, rms 1.5e-3);
 * every replicated ``B = b A + c A^2`` the kernels computed (recorded), element by element against
@@ -20,7 +20,7 @@ References, all computed here per case:
   rounding to the dtype (tests/kernels/kernel_bounds.py): the epilogue's coefficients, step by
   step; each Gram segment's Q against the kernels' recursion on its recorded A, bit for bit;
 * the launches: the exact number of symmetric and general kernel launches the plan implies
-  (counted here from the case's plan, not from the code), none with ``kernels="torch"`` or
+  (counted here from the case's plan, not from the code), none with ``ns_kernels="torch"`` or
   ``"auto"`` on CPU;
 * the replicated matrices are bitwise identical on every member.
 """
@@ -120,9 +120,13 @@ def expected_launches(shape, k, plan, b_split, recursion) -> dict[str, int]:
 
 
 def _case(rank, k, name):
-    from optimizer.kernels import newton_schulz as kernel_ns
-    from optimizer.newton_schulz import choose_ns_form, gram_restart_plan, resolve_ns_coefficients, zeropower_via_newtonschulz
-    from optimizer.parallel.split_newton_schulz import _split_ns
+    from optimizer.newton_schulz import zeropower_via_newtonschulz
+    from optimizer.newton_schulz.coefficients import resolve_ns_coefficients
+    from optimizer.newton_schulz.cut import _split_ns
+    from optimizer.newton_schulz.forms import choose_ns_form
+    from optimizer.newton_schulz.implementation import resolve_implementation
+    from optimizer.newton_schulz.iteration import gram_segment_factor
+    from optimizer.newton_schulz.restarts import gram_restart_plan
 
     shape, method, b_split, recursion, dtype, coef = CASES[name]
     G = torch.randn(*shape, generator=torch.Generator().manual_seed(7))
@@ -131,9 +135,9 @@ def _case(rank, k, name):
     widths = uneven_widths(Gt.shape[-1], k)
     mine = Gt[..., block_of(widths, rank)].contiguous()
 
-    def split(kernels, record=None):
+    def split(ns_kernels, record=None):
         return _split_ns(mine, widths, None, STEPS, coef, 1e-7, dtype, None, method, b_split, None, record,
-                         recursion, kernels)
+                         recursion, ns_kernels)
 
     def block(whole):  # this rank's block of an unsplit result, short side first
         whole = whole.mT if tall else whole
@@ -146,9 +150,9 @@ def _case(rank, k, name):
         split_t = split("torch").double()
     with counting_launches() as on_auto:
         split("auto")
-    whole_k = block(zeropower_via_newtonschulz(G, STEPS, coef, compute_dtype=dtype, method=method, kernels="triton"))
+    whole_k = block(zeropower_via_newtonschulz(G, STEPS, coef, compute_dtype=dtype, method=method, ns_kernels="triton"))
     exact = block(zeropower_via_newtonschulz(G.double(), STEPS, coef, compute_dtype=torch.float64, method=method,
-                                             kernels="torch"))
+                                             ns_kernels="torch"))
 
     # the replicated products, against fp64 of their recorded inputs (classic steps: A, B per
     # step; Gram segments: A, Q redundantly, A, B per step, the next A's and Q by rows)
@@ -156,7 +160,11 @@ def _case(rank, k, name):
     plan = gram_restart_plan(coef, STEPS, run) if form == "gram" else (1,) * STEPS
     steps = resolve_ns_coefficients(coef, STEPS)
     halves = 2 if G.ndim > 2 and math.prod(G.shape[:-2]) >= 2 else 1
-    checked = _check_record(record, plan, steps, halves, b_split, recursion, kernel_ns)
+
+    def kernels_factor(A, segment):  # the Gram recursion on the kernels' products, as "triton" runs it
+        return gram_segment_factor(A, segment, resolve_implementation("triton", A.device, (A.dtype,)).products(A, A.dtype))
+
+    checked = _check_record(record, plan, steps, halves, b_split, recursion, kernels_factor)
 
     def ssq(t):
         return t.pow(2).sum().item()
@@ -172,7 +180,7 @@ def _case(rank, k, name):
     }
 
 
-def _check_record(record, plan, steps, halves, b_split, recursion, kernel_ns) -> tuple[int, list[str]]:
+def _check_record(record, plan, steps, halves, b_split, recursion, kernels_factor) -> tuple[int, list[str]]:
     """Check every B and Q in the record, in the order each half records them (the two halves of a
     batch interleave at their collectives; they hold 2 and 1 matrices here, so a matrix's shape
     says whose it is); returns how many were checked and what failed (each check's message)."""
@@ -215,7 +223,7 @@ def _check_record(record, plan, steps, halves, b_split, recursion, kernel_ns) ->
             else:
                 segment = steps[first:first + j]
                 if recursion != "rows":  # the kernels' recursion on the recorded A, bit for bit
-                    if not torch.equal(M, kernel_ns.gram_segment_factor(A, segment, backend="triton")):
+                    if not torch.equal(M, kernels_factor(A, segment)):
                         problems.append(f"Q of the segment from step {first}: not the kernels' recursion on its A")
                     checked += 1
     return checked, problems
@@ -266,13 +274,13 @@ def test_the_cases_cover_both_forms_and_their_splits(results):
 
 
 def test_triton_where_it_cannot_run_and_a_bad_value_are_refused():
-    from optimizer.parallel.split_newton_schulz import split_zeropower_via_newtonschulz
+    from optimizer.newton_schulz.cut import split_zeropower_via_newtonschulz
 
     G = torch.randn(6, 10, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="ns_kernels='triton' cannot run.*float64"):
-        split_zeropower_via_newtonschulz(G, [10], None, compute_dtype=torch.float64, kernels="triton")
+        split_zeropower_via_newtonschulz(G, [10], None, compute_dtype=torch.float64, ns_kernels="triton")
     with pytest.raises(ValueError, match="ns_kernels must be one of"):
-        split_zeropower_via_newtonschulz(G, [10], None, kernels="cuda")
+        split_zeropower_via_newtonschulz(G, [10], None, ns_kernels="cuda")
 
 
 def test_auto_where_the_kernels_run_keeps_cublas_for_the_general_products(monkeypatch):
@@ -283,7 +291,7 @@ def test_auto_where_the_kernels_run_keeps_cublas_for_the_general_products(monkey
     group), the classic form: 2 symmetric and 1 general product a step."""
     from pretend_gpu import pretend_auto_takes_the_kernels
 
-    from optimizer.parallel.split_newton_schulz import split_zeropower_via_newtonschulz
+    from optimizer.newton_schulz.cut import split_zeropower_via_newtonschulz
 
     pretend_auto_takes_the_kernels(monkeypatch)
     gen = torch.Generator().manual_seed(3)
@@ -293,7 +301,7 @@ def test_auto_where_the_kernels_run_keeps_cublas_for_the_general_products(monkey
         for mode in ("auto", "triton", "torch"):
             with counting_launches() as counts:
                 split_zeropower_via_newtonschulz(G, [G.shape[1]], None, STEPS, compute_dtype=F32, method="classic",
-                                                 kernels=mode)
+                                                 ns_kernels=mode)
             launches[name, mode] = dict(counts)
     assert launches == {("large", "auto"): {"symmetric": 2 * STEPS, "general": 0},
                         ("large", "triton"): {"symmetric": 2 * STEPS, "general": STEPS},

@@ -190,7 +190,7 @@ def test_project_newton_schulz_on_expert_submatrices():
     ``[E, k, n]``: the project's iteration (fp64, classic) on both sides."""
     def ns(x):
         return zeropower_via_newtonschulz(x.contiguous(), ns_steps=5, coefficients="polar_express",
-                                          compute_dtype=torch.float64, method="classic", kernels="torch")
+                                          compute_dtype=torch.float64, method="classic", ns_kernels="torch")
     _compare((3, 10, 16), orthogonalize=ns)
     _compare((2, 18, 6), orthogonalize=ns, nor=True, fraction=0.5)
 

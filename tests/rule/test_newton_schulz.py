@@ -15,14 +15,10 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 from torch.utils.flop_counter import FlopCounterMode
 
-from optimizer.newton_schulz import (
-    NS_COEFFICIENTS,
-    default_compute_dtype,
-    gram_restart_plan,
-    newton_schulz_flops,
-    resolve_ns_coefficients,
-    zeropower_via_newtonschulz,
-)
+from optimizer.newton_schulz import zeropower_via_newtonschulz
+from optimizer.newton_schulz.coefficients import NS_COEFFICIENTS, resolve_ns_coefficients
+from optimizer.newton_schulz.forms import default_compute_dtype, newton_schulz_flops
+from optimizer.newton_schulz.restarts import gram_restart_plan
 from tolerances import newton_schulz_atol
 
 METHODS = ["classic", "gram"]
@@ -246,12 +242,12 @@ def test_flops_match_flop_counter(shape, method, dtype, name, ns_steps):
 
 
 def test_symmetric_gram_equals_plain_product():
-    from optimizer.newton_schulz import _symmetric_product
+    from optimizer.newton_schulz.products import symmetric_product
 
     g = torch.Generator().manual_seed(7)
     for rows, cols in [(256, 40), (300, 17), (517, 33), (1030, 8)]:
         x = torch.randn(rows, cols, generator=g, dtype=torch.float64)
-        torch.testing.assert_close(_symmetric_product(x, x.T), x @ x.T, rtol=0, atol=1e-12)
+        torch.testing.assert_close(symmetric_product(x, x.T), x @ x.T, rtol=0, atol=1e-12)
 
 
 def _plain_quintic(G, steps):

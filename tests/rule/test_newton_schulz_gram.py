@@ -17,7 +17,7 @@ below leave about 2x margin):
   segments of 5): singular values within 4e-3 of the fp64 iteration (classic: 2e-4), 1.3e-2 for
   condition number 1e6.
 * bf16: every Gram segment is one step, i.e. the classic iteration, bit for bit (see
-  newton_schulz._GRAM_STEP_ERROR_LIMIT). fp16, whose plan has 2-step segments: singular values
+  newton_schulz.restarts._GRAM_STEP_ERROR_LIMIT). fp16, whose plan has 2-step segments: singular values
   within 0.05 of the classic form's band, and within the 16-bit band (the classic bf16 or fp16
   iteration's own error) on the restart study's inputs (see the band tests for their figures).
 """
@@ -28,22 +28,19 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-import optimizer.newton_schulz as ns_module
+from optimizer.newton_schulz import implementation as ns_implementation
+from optimizer.newton_schulz import products as ns_products
+from optimizer.newton_schulz import restarts as ns_restarts
 from optimizer.rule import adjust_lr, apply_update_
 from test_rule import muon_momentum_
-from optimizer.newton_schulz import (
-    GRAM_MIN_SAVED_FLOPS,
-    NS_NORM_SAFETY,
-    check_ns_method,
-    choose_ns_form,
-    choose_ns_method,
-    gram_restart_plan,
-    newton_schulz_flops,
+from optimizer.newton_schulz import zeropower_via_newtonschulz
+from optimizer.newton_schulz.coefficients import NS_NORM_SAFETY, resolve_ns_coefficients
+from optimizer.newton_schulz.forms import (
+    GRAM_MIN_SAVED_FLOPS, check_ns_method, choose_ns_form, choose_ns_method, newton_schulz_flops,
     ns_io_dtype,
-    ns_value_bound,
-    resolve_ns_coefficients,
-    zeropower_via_newtonschulz,
 )
+from optimizer.newton_schulz.restarts import gram_restart_plan, ns_value_bound
+from optimizer.newton_schulz.whole import zeropower_with_plan
 from test_newton_schulz import log_spectrum, scalar_ns, with_spectrum
 from tolerances import newton_schulz_atol
 
@@ -198,20 +195,20 @@ def test_symmetric_blocks_give_the_plain_products(monkeypatch):
     for shape in [(37, 20), (3, 64, 9)]:
         L = torch.randn(shape, generator=g, dtype=torch.float64)
         S = L @ L.mT
-        monkeypatch.setattr(ns_module, "_SYMMETRIC_MIN_BLOCK", 4)
-        torch.testing.assert_close(ns_module._symmetric_product(L, L.mT), S)
+        monkeypatch.setattr(ns_products, "_SYMMETRIC_MIN_BLOCK", 4)
+        torch.testing.assert_close(ns_products.symmetric_product(L, L.mT), S)
         # beta C + alpha P R with P, R polynomials in S (commuting symmetric): symmetric result
         P, R = S @ S + 2 * S, 3 * S - S @ S
-        got = ns_module._symmetric_product(P, R, S, beta=0.5, alpha=-2.0)
+        got = ns_products.symmetric_product(P, R, S, beta=0.5, alpha=-2.0)
         torch.testing.assert_close(got, 0.5 * S - 2.0 * P @ R)
-        monkeypatch.setattr(ns_module, "_SYMMETRIC_MIN_BLOCK", 128)
+        monkeypatch.setattr(ns_products, "_SYMMETRIC_MIN_BLOCK", 128)
     # The forms on small matrices with the shortcut forced on equal the plain products: the same
     # iteration in another order, in float64 against its rounding bound (tests/tolerances.py).
     G = torch.randn(2, 40, 100, generator=g, dtype=torch.float64)
     f64 = dict(compute_dtype=torch.float64)
     plain = {m: zeropower_via_newtonschulz(G, 5, method=m, **f64) for m in ("classic", "gram")}
-    monkeypatch.setattr(ns_module, "_SYMMETRIC_MIN_BLOCK", 4)
-    monkeypatch.setattr(ns_module, "_uses_symmetric_blocks", lambda X: True)
+    monkeypatch.setattr(ns_products, "_SYMMETRIC_MIN_BLOCK", 4)
+    monkeypatch.setattr(ns_implementation, "uses_symmetric_blocks", lambda X: True)
     for method, ref in plain.items():
         torch.testing.assert_close(zeropower_via_newtonschulz(G, 5, method=method, **f64), ref,
                                    atol=newton_schulz_atol(G.shape, torch.float64, method=method), rtol=0)
@@ -308,8 +305,7 @@ def fp16_gram(name, steps):
 
 def with_plan(name, steps, dtype, plan):
     """The package's Gram form (its normalisation and rounding) with another restart plan."""
-    return lambda G: ns_module._zeropower(G, resolve_ns_coefficients(name, steps), dtype, plan,
-                                          NS_NORM_SAFETY[name], 1e-7)
+    return lambda G: zeropower_with_plan(G, resolve_ns_coefficients(name, steps), dtype, plan, NS_NORM_SAFETY[name], 1e-7)
 
 
 def outside(errors, ceiling, tolerance=1.0):
@@ -458,14 +454,14 @@ def test_stored_values_stay_under_the_bound_far_inside_fp16(monkeypatch, name, s
     assert bound <= 17 and bound * 2**8 < torch.finfo(torch.float16).max
     assert ns_value_bound(name, steps, None, torch.float16) <= bound  # the classic iteration stores fewer
     seen = []
-    original = ns_module._symmetric_product
+    original = ns_products.symmetric_product
 
     def recording(*args, **kwargs):
         out = original(*args, **kwargs)
         seen.append(out.abs().max().item())
         return out
 
-    monkeypatch.setattr(ns_module, "_symmetric_product", recording)
+    monkeypatch.setattr(ns_products, "symmetric_product", recording)
     for kind in EDGE_INPUTS:
         for method in ("classic", "gram"):
             G = edge_input(kind, 32, 96).float()
@@ -616,12 +612,12 @@ def test_plan_reproduces_dao_et_al_restart_for_fp16_polar_express(monkeypatch):
     limit (a step factor up to 10% off) lands there too, on our table; with ours (1%) it
     restarts earlier and more often."""
     assert gram_restart_plan("polar_express", 5, torch.float16) == (1, 2, 2)
-    monkeypatch.setattr(ns_module, "_GRAM_STEP_ERROR_LIMIT", 0.1)
-    ns_module._restart_plan.cache_clear()
+    monkeypatch.setattr(ns_restarts, "_GRAM_STEP_ERROR_LIMIT", 0.1)
+    ns_restarts._restart_plan.cache_clear()
     try:
         assert gram_restart_plan("polar_express", 5, torch.float16) == (2, 3)
     finally:
-        ns_module._restart_plan.cache_clear()
+        ns_restarts._restart_plan.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
@@ -640,7 +636,7 @@ def test_plan_segments_keep_the_negative_eigenvalue_small_and_are_maximal(dtype,
     if u >= torch.finfo(torch.bfloat16).eps / 2:
         assert plan == (1,) * steps
         return
-    limit = ns_module._GRAM_STEP_ERROR_LIMIT
+    limit = ns_restarts._GRAM_STEP_ERROR_LIMIT
 
     def off(r, a, b, c):  # |q(r) - q(0)| / |q(0)|, bounded termwise
         return (abs(b * r) + abs(c * r * r)) / abs(a)
@@ -679,7 +675,7 @@ def test_the_fixed_table_stalls_from_its_sixth_step_and_polar_express_never():
     power-law inputs, (2, 2, 1, 1, 1, 1, 1, 1) 0.84x). Polar Express lifts, then converges."""
     fixed = resolve_ns_coefficients("fixed", 10)
     assert stalled_steps(fixed) == [False] * 5 + [True] * 5
-    assert ns_module._stalled_steps(tuple(fixed)) == tuple(stalled_steps(fixed))
+    assert ns_restarts._stalled_steps(tuple(fixed)) == tuple(stalled_steps(fixed))
     assert not any(stalled_steps(resolve_ns_coefficients("polar_express", 10)))
     a, b, c = fixed[0]
     x = math.sqrt((-b - math.sqrt(b * b - 4 * c * (a - 1))) / (2 * c))  # p(x) = x

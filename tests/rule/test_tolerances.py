@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from optimizer import zeropower_via_newtonschulz
-from optimizer.newton_schulz import NS_COEFFICIENTS, NS_TAIL
+from optimizer.newton_schulz.coefficients import NS_COEFFICIENTS, NS_TAIL
 from tolerances import _gram_poly_bounds, _step_bounds, gamma, max_logit_atol, newton_schulz_error_bound
 
 

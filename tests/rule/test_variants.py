@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import optimizer.rule as rule
+from optimizer.rule import formulas, owner_stage
 from optimizer import Muon
 
 COEFFS = (3.4445, -4.7750, 2.0315)
@@ -265,8 +266,10 @@ def test_bf16_momentum_is_stored_in_bf16_and_computed_wide(shape):
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_newton_schulz_sees_the_compute_dtype_not_the_buffer_dtype(monkeypatch, nesterov):
     seen = []
-    original = rule.NewtonSchulz.__call__
-    monkeypatch.setattr(rule.NewtonSchulz, "__call__", lambda self, x: seen.append(x.dtype) or original(self, x))
+    from optimizer.newton_schulz.group import NewtonSchulz
+
+    original = NewtonSchulz.__call__
+    monkeypatch.setattr(NewtonSchulz, "__call__", lambda self, x: seen.append(x.dtype) or original(self, x))
     w = torch.nn.Parameter(initial((8, 12), dtype=torch.float32))
     opt = Muon([{"params": [w], "use_muon": True}], momentum_dtype="bfloat16", nesterov=nesterov)
     w.grad = torch.ones_like(w)
@@ -296,7 +299,7 @@ def _factor_first(matrix, blocks, orthogonalize, adjust_lr_mode, v, beta2):
     return out, v
 
 
-original_in_blocks = rule._in_blocks
+original_in_blocks = owner_stage._in_blocks
 
 
 def _wrong_mask_sign(param, update):
@@ -310,11 +313,11 @@ def test_the_comparisons_catch_a_broken_rule(monkeypatch, breakage):
     options = dict(beta2=0.9, cautious=True, blocks=blocks, weight_decay=0.5)
     ref = reference(w0, gs, **options)
     if breakage == "mean over the wrong dim":
-        monkeypatch.setattr(rule, "normuon_normalize", _wrong_mean_dim)
+        monkeypatch.setattr(owner_stage, "normuon_normalize", _wrong_mean_dim)
     elif breakage == "lr factor before NorMuon":
-        monkeypatch.setattr(rule, "_in_blocks", _factor_first)
+        monkeypatch.setattr(owner_stage, "_in_blocks", _factor_first)
     else:
-        monkeypatch.setattr(rule, "cautious_mask", _wrong_mask_sign)
+        monkeypatch.setattr(formulas, "cautious_mask", _wrong_mask_sign)
     w, state = ours(w0, gs, normuon_beta2=0.9, cautious_wd=True, blocks=blocks, weight_decay=0.5)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(w, ref.w, atol=ATOL, rtol=0)

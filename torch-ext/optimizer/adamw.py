@@ -106,12 +106,7 @@ def adamw_step_(
     otherwise (the single-tensor loop for a Tensor ``lr`` outside ``torch.compile``); pass
     ``foreach``/``fused`` to force one.
     """
-    lists = (params, grads, exp_avgs, exp_avg_sqs, state_steps)
-    if len({len(x) for x in lists}) != 1:
-        raise ValueError(
-            "adamw_step_: params, grads, exp_avgs, exp_avg_sqs and state_steps must have the same "
-            f"length, got {[len(x) for x in lists]}"
-        )
+    _check_same_lengths(params, grads, exp_avgs, exp_avg_sqs, state_steps)
     _check_lr_and_maximize(lr, maximize)
     tensor_lr = isinstance(lr, Tensor)
     if not params:
@@ -125,28 +120,23 @@ def adamw_step_(
         batches.setdefault(_batch_key(p), []).append(i)
 
     for idx in batches.values():
-        ps = [params[i] for i in idx]
-        steps = [state_steps[i] for i in idx]
+        ps, steps = [params[i] for i in idx], [state_steps[i] for i in idx]
         use_foreach, use_fused = _implementation(ps, steps, foreach, fused, tensor_lr, compiling)
         _torch_adamw(
-            ps,
-            [grads[i] for i in idx],
-            [exp_avgs[i] for i in idx],
-            [exp_avg_sqs[i] for i in idx],
+            ps, [grads[i] for i in idx], [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx],
             [],  # max_exp_avg_sqs: amsgrad is off
-            steps,
-            foreach=use_foreach,
-            fused=use_fused,
-            # What dynamo does to torch.optim's AdamW (see the module docstring).
-            capturable=compiling and not use_fused,
-            has_complex=any(torch.is_complex(p) for p in ps),
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=lr,
-            weight_decay=weight_decay,
-            eps=eps,
-            maximize=maximize,
+            steps, foreach=use_foreach, fused=use_fused,
+            capturable=compiling and not use_fused,  # what dynamo does to torch.optim's AdamW (module docstring)
+            has_complex=any(torch.is_complex(p) for p in ps), amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+            weight_decay=weight_decay, eps=eps, maximize=maximize,
+        )
+
+
+def _check_same_lengths(*lists: Sequence) -> None:
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError(
+            "adamw_step_: params, grads, exp_avgs, exp_avg_sqs and state_steps must have the same "
+            f"length, got {[len(x) for x in lists]}"
         )
 
 

@@ -1,6 +1,6 @@
 """Checks of the tensors users hand to Muon, with errors that name the culprit and the fix.
 
-Options are checked where they are declared (``settings.py``).  Every check here is local to
+Options are checked where they are declared (``settings/declarations.py``).  Every check here is local to
 a rank: ``Muon.step`` collects their messages first and raises them only after all ranks have
 agreed (``distributed/agreement.py``), so a bad input on one rank fails every rank instead of
 hanging the others.
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .newton_schulz import ns_form_dtypes
-from .ns_kernels import kernels_problem, shape_problem
-from .tensors import is_dtensor, local_view
+from .tensors import is_dtensor
 
 
 def param_names_problem(group, where: str) -> str | None:
@@ -87,25 +85,3 @@ def gradient_problem(name: str, param: torch.Tensor, grad: torch.Tensor | None, 
             f"{param.placements}; redistribute the gradient to the parameter's placements first."
         )
     return None
-
-
-def kernels_param_problem(name: str, param: torch.Tensor, group: dict, compute_dtype: torch.dtype | None,
-                          adding: bool = False) -> str | None:
-    """Why the group's ``ns_kernels`` cannot run this Muon parameter's Newton–Schulz where its local
-    piece lives (``"triton"`` without Triton, on a device the kernels do not support, kernels that
-    failed their first-use check there, ...), or None. ``adding`` (the group is being added): for
-    ``"auto"`` on a CUDA GPU, run that check now (once per process; ``ns_kernels.kernels_problem``)
-    so that it happens before any step; at a step ``"auto"`` has nothing to refuse and is not
-    looked at (the lookup costs ~70 us per parameter even when the check is cached)."""
-    mode = group.get("ns_kernels", "auto")
-    if not group.get("use_muon") or mode == "torch" or (mode == "auto" and not adding):
-        return None
-    device = local_view(param).device
-    if mode == "auto" and device.type != "cuda":  # torch there: nothing to check
-        return None
-    for dtype in dict.fromkeys(ns_form_dtypes(compute_dtype, device).values()):  # each form's dtype, once
-        problem = kernels_problem(mode, device, dtype)
-        if problem is not None:
-            return f"Muon: parameter '{name}': {problem}"
-    problem = shape_problem(mode, param.shape) if mode == "triton" else None  # "auto" runs such sizes on torch
-    return None if problem is None else f"Muon: parameter '{name}': {problem}"

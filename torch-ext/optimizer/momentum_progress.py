@@ -1,9 +1,9 @@
 """Which parts of one piece's momentum buffer this step has updated (pure bookkeeping, no tensors).
 
-Where the elementwise stages are fused (``rule.fused_elementwise``), a piece's momentum is updated
-in the same pass that forms its Newton–Schulz input (``MatrixStep.input_into``: reads grad and
-buf, writes buf and the input, 14 B per fp32 entry with a bf16 input, where a momentum pass and
-then an input pass move 12 + 10).  But the runtime forms the input region by region (a range of
+Where the elementwise stages are fused (``newton_schulz.implementation.Implementation.fuses``), a
+piece's momentum is updated in the same pass that forms its Newton–Schulz input
+(``MatrixStep.input_into``: reads grad and buf, writes buf and the input, 14 B per fp32 entry with
+a bf16 input, where a momentum pass and then an input pass move 12 + 10).  But the runtime forms the input region by region (a range of
 experts, a cut unit's rows or columns), some regions never (a unit owned in another replica, a
 piece with nothing to send), and may form one region twice; every buffer entry must still be
 updated exactly once per step.  :class:`MomentumProgress` says, for each region the runtime asks

@@ -12,10 +12,10 @@ combinations, auto-sharding solver plans, ``_StridedShard``, uneven shards).  A 
      (``step/agreement.py``, ``distributed/agreement.py``): then all proceed, skip, or raise the
      same error;
   3. AdamW for the AdamW groups (``adamw.py``);
-  4. Muon (``step/muon_update.py``): the update rule (``rule.py``) run over the cached step plan
+  4. Muon (``step/muon_update.py``): the update rule (``rule/``) run over the cached step plan
      (``parallel/planning/plan.py``) by the runtime (``parallel/execution/pipeline.py``).
 
-Every option is declared once, in ``settings.py``; this class only wires them to torch's
+Every option is declared once, in ``settings/declarations.py``; this class only wires them to torch's
 ``Optimizer`` (groups, state dicts, pickling).
 """
 
@@ -28,11 +28,12 @@ from typing import Any, Callable
 import torch
 from torch.optim import Optimizer
 
-from . import settings as options
-from . import state_layout
+from . import settings
+from . import checkpoint
 from .adamw import adamw_group_step_, step_as_tensor_
-from .checks import check_group_params, kernels_param_problem, param_names_problem
+from .checks import check_group_params, param_names_problem
 from .matrix_view import LayoutCache
+from .newton_schulz.implementation import Implementations
 from .named_params import named_params
 from .parallel.execution.stats import PipelineStats
 from .parallel.planning.process_groups import create_process_groups
@@ -65,7 +66,7 @@ class Muon(Optimizer):
     """
 
     def __init__(self, params, *args, **kwargs):
-        self.settings, self.group_defaults = options.from_constructor(args, kwargs)
+        self.settings, self.group_defaults = settings.from_constructor(args, kwargs)
         #: the last step's QK-clip record (heads clipped and max logit per layer), or None
         self.qk_clip_report: QKClipReport | None = None
         #: True when the last step was skipped (skip_nonfinite and a non-finite gradient)
@@ -73,8 +74,9 @@ class Muon(Optimizer):
         #: timing and traffic of the last step's parallel pipeline
         self.last_step_stats = PipelineStats()
         self._layouts = LayoutCache()
+        self._implementations = Implementations()  # ns_kernels resolved once per value and device
         self._building = True
-        super().__init__(params, options.torch_defaults(self.group_defaults))
+        super().__init__(params, settings.torch_defaults(self.group_defaults))
         self._building = False
         # Everything QK-clip needs that names and shapes can tell is checked now, before
         # any state exists (pairs, head counts, one weight per layer and role, Muon groups).
@@ -99,7 +101,7 @@ class Muon(Optimizer):
         first = len(self.param_groups)
         try:
             for part in parts:
-                options.fill_group(part, self.group_defaults, torch_style)
+                settings.fill_group(part, self.group_defaults, torch_style)
                 super().add_param_group(part)
                 self._check_group(len(self.param_groups) - 1)
         except BaseException:
@@ -107,7 +109,7 @@ class Muon(Optimizer):
             raise
         added = self.param_groups[first:]
         for group in added:
-            state_layout.stamp_group(group, self.settings.qk_clip)
+            checkpoint.stamp_group(group, self.settings.qk_clip)
         if not self.__dict__.get("_building", False):
             self._create_process_groups(added, only_if_missing=True)
 
@@ -119,11 +121,11 @@ class Muon(Optimizer):
         problem = param_names_problem(group, where)
         if problem:
             raise ValueError(problem)
-        options.check_group(group, where)
+        settings.check_group(group, where)
         entries = [e for e in named_params(self.param_groups) if e.group == index]
         check_group_params(group, [e.name for e in entries])
         for e in entries:
-            problem = kernels_param_problem(e.name, e.param, group, self.settings.compute_dtype, adding=True)
+            problem = self._implementations.param_problem(e.name, e.param, group, self.settings.compute_dtype)
             if problem:
                 raise ValueError(f"{problem} ({where} ns_kernels)")
             if group["use_muon"] and group.get(ROW_BLOCKS_KEY) is not None:
@@ -197,8 +199,8 @@ class Muon(Optimizer):
         """This rank's view of the step, then the one all-reduce (see ``step/context.py``)."""
         context, problems = self._context()
         facts = context.local_facts(qk_logits, closure_error, self.settings.skip_nonfinite, problems)
-        outcome = context.agree(facts, options.digest(self.settings, self.param_groups),
-                                lambda: options.record(self.settings, self.param_groups))
+        outcome = context.agree(facts, settings.digest(self.settings, self.param_groups),
+                                lambda: settings.record(self.settings, self.param_groups))
         return context, facts, outcome
 
     def set_qk_logits_source(self, source: Callable[[], Any] | None) -> None:
@@ -232,7 +234,7 @@ class Muon(Optimizer):
         problems = group_problems(self.param_groups, plan_options=fresh)
         if fresh:
             cached = StepContext(key, named_params(self.param_groups), self.settings, self.param_groups, self._layouts,
-                                 rank(), planned=not problems)
+                                 self._implementations, rank(), planned=not problems)
             if not problems:
                 self._cached_context = cached
         return cached, problems
@@ -240,23 +242,23 @@ class Muon(Optimizer):
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict, in Muon's state layout (``state_layout.py``: every group
+        """torch's optimizer state dict, in Muon's state layout (``checkpoint/``: every group
         carries the layout version and QK-clip settings; row blocks as plain strings)."""
         self._stamp_layout()
-        return state_layout.with_plain_row_blocks(super().state_dict(), self.param_groups,
+        return checkpoint.with_plain_row_blocks(super().state_dict(), self.param_groups,
                                                   [e.name for e in named_params(self.param_groups)])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict`, torch.distributed.checkpoint, or
         ``torch.optim.Muon`` (its momentum carries over).  torch's pre-hooks run first, then
-        everything is checked before anything changes (``state_layout.load``), post-hooks last."""
-        qk_clip = state_layout.load(self, state_dict, lambda checked: Optimizer.load_state_dict(self, checked))
+        everything is checked before anything changes (``checkpoint.load``), post-hooks last."""
+        qk_clip = checkpoint.load(self, state_dict, lambda checked: Optimizer.load_state_dict(self, checked))
         self.settings = dataclasses.replace(self.settings, qk_clip=qk_clip)
         self._stamp_layout()
 
     def _stamp_layout(self) -> None:
         for group in self.param_groups:
-            state_layout.stamp_group(group, self.settings.qk_clip)
+            checkpoint.stamp_group(group, self.settings.qk_clip)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's Optimizer pickles only defaults/state/param_groups; keep Muon's own settings
@@ -269,8 +271,8 @@ class Muon(Optimizer):
         # Also called by torch's load_state_dict with only state/param_groups: settings already
         # on the object stay.  A pickle from before the settings record holds them as attributes.
         if "settings" not in state and "settings" not in self.__dict__:
-            state = dict(state, settings=options.from_legacy(state), group_defaults=_legacy_group_defaults(state))
-            state_layout.upgrade_pickled_groups(state["param_groups"], state.get("ns_eps", 1e-7))
+            state = dict(state, settings=settings.from_legacy(state), group_defaults=_legacy_group_defaults(state))
+            checkpoint.upgrade_pickled_groups(state["param_groups"], state.get("ns_eps", 1e-7))
         super().__setstate__(state)
         for group in self.param_groups:
             if not group["use_muon"]:
@@ -280,6 +282,7 @@ class Muon(Optimizer):
         self.__dict__.setdefault("last_step_skipped", False)
         self.__dict__.setdefault("last_step_stats", PipelineStats())
         self.__dict__.setdefault("_layouts", LayoutCache())
+        self.__dict__.setdefault("_implementations", Implementations())
         self.__dict__.pop("_cached_context", None)  # rebuilt for this process's parameters
 
 
@@ -308,7 +311,7 @@ def group_problems(groups: list[dict], plan_options: bool = True) -> list[str]:
             problems.append(problem)
         betas = scheduled_betas(group)
         try:
-            options.check_group(group if betas is None else {**group, "betas": betas}, where, plan=plan_options)
+            settings.check_group(group if betas is None else {**group, "betas": betas}, where, plan_options=plan_options)
         except ValueError as err:
             problems.append(str(err))
     return problems
@@ -346,10 +349,10 @@ def split_by_kind(group: dict, log: bool = True) -> list[dict]:
     the Muon group only). The table of where each parameter went is logged at DEBUG level."""
     named, names = _named_params(group)
     decisions = [decide_torch_style(n, p.shape) if isinstance(p, torch.Tensor) else None for n, p in named]
-    muon_only = {o.name for o in options.options_of(options.MUON)} - {o.name for o in options.GROUP_OPTIONS
-                                                                     if o.kinds == options.BOTH}
-    adamw_only = {o.name for o in options.options_of(options.ADAMW)} - {o.name for o in options.GROUP_OPTIONS
-                                                                       if options.MUON in o.kinds}
+    muon_only = {o.name for o in settings.options_of(settings.MUON)} - {o.name for o in settings.GROUP_OPTIONS
+                                                                     if o.kinds == settings.BOTH}
+    adamw_only = {o.name for o in settings.options_of(settings.ADAMW)} - {o.name for o in settings.GROUP_OPTIONS
+                                                                       if settings.MUON in o.kinds}
     rest = {k: v for k, v in group.items() if k not in ("params", "param_names")}
     parts = []
     for use_muon in (True, False):
@@ -411,13 +414,13 @@ _SPLIT_LOGGED: list[bool] = []  # the note above is logged once per process
 def _legacy_group_defaults(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Group defaults of an optimizer pickled before the settings record: torch's ``defaults``,
     the AdamW betas and the Newton–Schulz eps it kept as attributes."""
-    _, defaults = options.from_constructor((), {})
+    _, defaults = settings.from_constructor((), {})
     for kind, values in defaults.items():
         for name in values:
-            if name in state.get("defaults", {}) and not (name == "eps" and kind != options.ADAMW):
+            if name in state.get("defaults", {}) and not (name == "eps" and kind != settings.ADAMW):
                 values[name] = state["defaults"][name]  # its defaults' eps was AdamW's
-    defaults[options.ADAMW]["betas"] = tuple(state.get("adamw_betas", defaults[options.ADAMW]["betas"]))
-    for kind in (options.MUON, options.TORCH_STYLE):
+    defaults[settings.ADAMW]["betas"] = tuple(state.get("adamw_betas", defaults[settings.ADAMW]["betas"]))
+    for kind in (settings.MUON, settings.TORCH_STYLE):
         defaults[kind]["eps"] = state.get("ns_eps", defaults[kind]["eps"])
     return defaults
 
@@ -437,7 +440,7 @@ def _setting_property(name: str) -> property:
 
 for _field in dataclasses.fields(MuonSettings):
     setattr(Muon, _field.name, _setting_property(_field.name))
-Muon.__init__.__signature__ = options.constructor_signature()
-Muon.__init__.__doc__ = options.constructor_doc()
+Muon.__init__.__signature__ = settings.constructor_signature()
+Muon.__init__.__doc__ = settings.constructor_doc()
 
 __all__ = ["Muon"]

@@ -12,11 +12,13 @@ they cannot run). :func:`available` says whether ``"triton"`` can run on a devic
 checked before anything runs (operands.py); results are rounded once from an fp32 accumulation.
 
 Files: symmetric_kernel.py and matmul_add_kernel.py (the kernels), reference.py (the torch versions,
-same signatures), tiles.py (the tile rule), backend.py (where the kernels run), newton_schulz.py
-(the classic iteration and the Gram-space segment on these products); elementwise.py,
+same signatures), tiles.py (the tile rule), addressing.py (what the kernels' 32-bit offsets reach),
+backend.py (which implementation runs: the one place that decides), environment.py (Triton, the
+interpreter, the device), self_check.py (the first-use check on a GPU); elementwise.py,
 elementwise_kernel.py and elementwise_reference.py: the fused elementwise stages of a step
-(momentum, Nesterov input, weight decay with the update). Triton is imported only
-when a kernel is first used, so this package imports without it. docs/kernels.md has the details.
+(momentum, Nesterov input, weight decay with the update). Newton–Schulz runs on these products
+through ``optimizer.newton_schulz.products``. Triton is imported only when a kernel is first used,
+so this package imports without it. docs/kernels.md has the details.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .addressing import product_problem
-from .backend import BACKENDS, available, check_backend, resolve, unavailable_reason
+from . import backend as kernel_backend
+from . import environment
+from .backend import BACKENDS, ProductRoute, available, check_backend, unavailable_reason
 from .operands import check_product
 from .reference import matmul_add_reference, symmetric_matmul_reference
-from .tiles import Tiles, choose_tiles, tile_rows
+from .tiles import Tiles
 
 __all__ = [
     "BACKENDS",
@@ -67,14 +70,14 @@ def symmetric_matmul(
     X. C is not read when ``beta`` is 0.
     """
     alpha, beta, out_dtype = check_product("symmetric_matmul", L, R, C, alpha, beta, out, out_dtype, symmetric=True)
-    impl = _addressable("symmetric_matmul", backend, resolve(backend, L.device, L.dtype), L, R, C, beta, out)
-    if impl == "triton" and backend == "auto" and not _spans_two_tile_rows(L):
-        impl = "torch"
-    if impl == "torch":
+    tiles = None
+    if kernel_backend.resolve(backend, L.device, L.dtype) == "triton":
+        tiles = ProductRoute(backend, environment.device_key(L.device)).symmetric(L, R, C, beta, out)
+    if tiles is None:
         return symmetric_matmul_reference(L, R, C, alpha=alpha, beta=beta, out=out, out_dtype=out_dtype)
     from .symmetric_kernel import symmetric_matmul_triton
 
-    return symmetric_matmul_triton(L, R, C, alpha=alpha, beta=beta, out=out, out_dtype=out_dtype)
+    return symmetric_matmul_triton(L, R, C, alpha=alpha, beta=beta, out=out, out_dtype=out_dtype, tiles=tiles)
 
 
 def syrk(
@@ -113,36 +116,11 @@ def matmul_add(
     the kernel, and refuses operands it cannot address (addressing.py). C is not read when ``beta`` is 0.
     """
     alpha, beta, out_dtype = check_product("matmul_add", L, R, C, alpha, beta, out, out_dtype, symmetric=False)
-    impl = resolve(backend, L.device, L.dtype)
-    if impl == "triton" and backend != "auto":
-        impl = _addressable("matmul_add", backend, impl, L, R, C, beta, out)
-    if impl == "torch" or backend == "auto":
+    tiles = None
+    if kernel_backend.resolve(backend, L.device, L.dtype) == "triton":
+        tiles = ProductRoute(backend, environment.device_key(L.device)).general(L, R, C, beta, out)
+    if tiles is None:
         return matmul_add_reference(L, R, C, alpha=alpha, beta=beta, out=out, out_dtype=out_dtype)
     from .matmul_add_kernel import matmul_add_triton
 
-    return matmul_add_triton(L, R, C, alpha=alpha, beta=beta, out=out, out_dtype=out_dtype)
-
-
-def _addressable(name: str, backend: str, impl: str, L: Tensor, R: Tensor, C: Tensor | None, beta: float,
-                 out: Tensor | None) -> str:
-    """``impl``, or ``"torch"`` under ``"auto"`` where the kernels cannot address the operands
-    (addressing.product_problem); under ``"triton"`` that is a ValueError, raised before anything runs."""
-    if impl != "triton":
-        return impl
-    layout = lambda t: None if t is None else (tuple(t.shape), t.stride())  # noqa: E731
-    problem = product_problem(layout(L), layout(R), layout(C) if beta != 0 else None, layout(out))
-    if problem is None:
-        return impl
-    if backend == "triton":
-        raise ValueError(f"{name}: backend='triton' cannot run this product: {problem}; use backend='auto' "
-                         "(torch's matmul for such operands) or 'torch'")
-    return "torch"
-
-
-def _spans_two_tile_rows(L: Tensor) -> bool:
-    from .backend import device_key
-
-    batch = L.shape[0] if L.ndim == 3 else 1
-    m, k = L.shape[-2:]
-    tiles = choose_tiles("symmetric", batch, m, m, k, L.dtype, *device_key(L.device))
-    return tile_rows(m, tiles) >= 2
+    return matmul_add_triton(L, R, C, alpha=alpha, beta=beta, out=out, out_dtype=out_dtype, tiles=tiles)

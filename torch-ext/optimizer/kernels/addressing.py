@@ -67,7 +67,7 @@ def product_problem(L: Layout, R: Layout, C: Layout | None, out: Layout | None) 
 @lru_cache(maxsize=1024)
 def newton_schulz_problem(shape: tuple[int, ...]) -> str | None:
     """Why the kernels cannot address the Newton–Schulz products of a parameter of ``shape``
-    (its matrices, the last two dims, as newton_schulz.py lays them out: X [s, l] contiguous, s <=
+    (its matrices, the last two dims, as newton_schulz/iteration.py lays them out: X [s, l] contiguous, s <=
     l, or the transposed view of a contiguous [l, s]; A, B, Q [s, s]), or None. Matrices cut over
     ranks (``ns_split``) or into row blocks are pieces of these, with offsets no larger."""
     s, l = sorted(shape[-2:])

@@ -19,21 +19,14 @@ from numbers import Real
 import torch
 from torch import Tensor
 
-from .backend import resolve as resolve_backend
+from . import backend as kernel_backend
 from .elementwise_reference import apply_update_reference, decay_factor, momentum_nesterov_reference
 from .operands import _overlap
 
 # What the fused stages take: their arithmetic is fp32 (torch's opmath for these); an fp64 step
-# keeps the torch formulas (rule.py), which compute it in fp64.
+# keeps the torch formulas (rule/formulas.py), which compute it in fp64.
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_DIMS = 3
-
-
-def resolve(backend: str, device: torch.device | str) -> str:
-    """``"triton"`` or ``"torch"`` for the stages of a piece on ``device``: the dispatcher's rule
-    (backend.resolve; the stages' dtypes are checked by :func:`takes`); raises a RuntimeError with
-    the reason if ``"triton"`` was asked for and cannot run."""
-    return resolve_backend(backend, device, kind="elementwise")
 
 
 def takes(*dtypes: torch.dtype) -> bool:
@@ -66,10 +59,22 @@ def momentum_nesterov_(
     fp16/bf16/fp32, one device; out must not share memory with buf or grad. Returns ``out``.
     """
     _check_momentum(buf, grad, out, momentum, dtype)
-    impl = resolve(backend, buf.device)
-    if impl == "torch":
+    if kernel_backend.resolve(backend, buf.device, kind="elementwise") == "torch":
         return momentum_nesterov_reference(buf, grad, out, momentum, nesterov, maximize,
                                            update_momentum=update_momentum, dtype=dtype)
+    return _momentum_nesterov_kernel(buf, grad, out, momentum, nesterov, maximize, update_momentum, dtype)
+
+
+def momentum_nesterov_on_kernels_(buf: Tensor, grad: Tensor, out: Tensor | None, momentum: float, nesterov: bool,
+                                  maximize: bool = False, *, update_momentum: bool = True,
+                                  dtype: torch.dtype | None = None) -> Tensor | None:
+    """:func:`momentum_nesterov_` on the kernels, for a caller that chose them once already (an
+    optimizer group whose ``ns_kernels`` resolved to them): the operands checked, nothing resolved."""
+    _check_momentum(buf, grad, out, momentum, dtype)
+    return _momentum_nesterov_kernel(buf, grad, out, momentum, nesterov, maximize, update_momentum, dtype)
+
+
+def _momentum_nesterov_kernel(buf, grad, out, momentum, nesterov, maximize, update_momentum, dtype):
     from .elementwise_kernel import momentum_nesterov_triton
 
     return momentum_nesterov_triton(buf, grad, out, momentum, nesterov, maximize,
@@ -98,10 +103,21 @@ def apply_update_(
     3 dims, any strides, fp16/bf16/fp32, one device, not sharing memory.
     """
     _check_update(param, update, lr, adjusted_lr, weight_decay)
-    impl = resolve(backend, param.device)
-    if impl == "torch":
+    if kernel_backend.resolve(backend, param.device, kind="elementwise") == "torch":
         apply_update_reference(param, update, lr, adjusted_lr, weight_decay, cautious)
         return
+    _apply_update_kernel(param, update, lr, adjusted_lr, weight_decay, cautious)
+
+
+def apply_update_on_kernels_(param: Tensor, update: Tensor, lr: float | Tensor, adjusted_lr: float | Tensor,
+                             weight_decay: float, cautious: bool = False) -> None:
+    """:func:`apply_update_` on the kernels, for a caller that chose them once already (an
+    optimizer group whose ``ns_kernels`` resolved to them): the operands checked, nothing resolved."""
+    _check_update(param, update, lr, adjusted_lr, weight_decay)
+    _apply_update_kernel(param, update, lr, adjusted_lr, weight_decay, cautious)
+
+
+def _apply_update_kernel(param, update, lr, adjusted_lr, weight_decay, cautious) -> None:
     from .elementwise_kernel import apply_update_triton
 
     factor = decay_factor(lr, weight_decay, cautious) if weight_decay != 0 else None

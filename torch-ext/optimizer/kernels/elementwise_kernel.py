@@ -34,14 +34,14 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-except ImportError as error:  # only imported once backend.triton_import_error() said it works
+except ImportError as error:  # only imported once environment.triton_import_error() said it works
     raise ImportError(f"optimizer.kernels.elementwise_kernel needs Triton: {error}") from error
 
-from .backend import interpreting
+from . import environment
 from .interpreter_rounding import bf16_round_to_nearest_even
 from .tiles import MAX_BATCH_PER_LAUNCH
 
-INTERPRETED = interpreting()
+INTERPRETED = environment.interpreting()
 # Entries per program: the interpreter runs programs one by one in numpy, so larger blocks there.
 FLAT_BLOCK, FLAT_WARPS = (8192, 4) if INTERPRETED else (2048, 8)
 TILE, TILE_WARPS = ((64, 64), 4) if INTERPRETED else ((32, 64), 4)

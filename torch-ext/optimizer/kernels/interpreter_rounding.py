@@ -15,7 +15,7 @@ from __future__ import annotations
 try:
     import triton
     import triton.language as tl
-except ImportError as error:  # only imported once backend.triton_import_error() said it works
+except ImportError as error:  # only imported once environment.triton_import_error() said it works
     raise ImportError(f"optimizer.kernels.interpreter_rounding needs Triton: {error}") from error
 
 

@@ -21,14 +21,14 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-except ImportError as error:  # only imported once backend.triton_import_error() said it works
+except ImportError as error:  # only imported once environment.triton_import_error() said it works
     raise ImportError(f"optimizer.kernels.matmul_add_kernel needs Triton: {error}") from error
 
-from .backend import device_key, interpreting
+from . import environment
 from .interpreter_rounding import bf16_round_to_nearest_even
 from .tiles import MAX_BATCH_PER_LAUNCH, Tiles, as_batch, choose_tiles
 
-INTERPRETED = interpreting()
+INTERPRETED = environment.interpreting()
 
 
 @triton.jit
@@ -118,7 +118,7 @@ def matmul_add_triton(
     if batch == 0 or m == 0 or n == 0:
         return out
     if tiles is None:
-        tiles = choose_tiles("general", batch, m, n, k, L.dtype, *device_key(L.device))
+        tiles = choose_tiles("general", batch, m, n, k, L.dtype, *environment.device_key(L.device))
     grid_tiles = -(-m // tiles.block_m) * -(-n // tiles.block_n)
     for first in range(0, batch, MAX_BATCH_PER_LAUNCH):
         part = slice(first, first + MAX_BATCH_PER_LAUNCH)

@@ -6,7 +6,7 @@ computed (``r (r + 1) / 2`` of ``r^2`` for ``r = ceil(m / T)`` tile rows, so the
 position and, transposed, to its mirror. A diagonal tile keeps its lower half and mirrors it, so
 the result is exactly symmetric (reference.symmetric_matmul_reference says what that means).
 
-Products the Newton–Schulz iteration needs (kernels/newton_schulz.py): ``X X^T`` (L = X,
+Products the Newton–Schulz iteration needs (newton_schulz/iteration.py): ``X X^T`` (L = X,
 R = X.mT: a strided view, X is read in place for both operands), ``b A + c A A``, and the Gram
 form's ``a Q + Q B``, ``a A + A B``, ``a AQ + B AQ``: products of polynomials in one symmetric
 matrix, which commute, hence symmetric.
@@ -29,15 +29,15 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-except ImportError as error:  # only imported once backend.triton_import_error() said it works
+except ImportError as error:  # only imported once environment.triton_import_error() said it works
     raise ImportError(f"optimizer.kernels.symmetric_kernel needs Triton: {error}") from error
 
-from .backend import device_key, interpreting
+from . import environment
 from .interpreter_rounding import bf16_round_to_nearest_even
 from .tiles import MAX_BATCH_PER_LAUNCH, Tiles, as_batch, choose_tiles
 
 # Whether TRITON_INTERPRET was set when the kernel below was defined (Triton decides then).
-INTERPRETED = interpreting()
+INTERPRETED = environment.interpreting()
 
 # Tiles of one triangle: the tile numbering computes 8 pid + 1 in int32 (a 741,000-row output at
 # 32-wide tiles; 128-wide tiles reach it at 2.9 million rows).
@@ -137,7 +137,7 @@ def symmetric_matmul_triton(
     if batch == 0 or m == 0:
         return out
     if tiles is None:
-        tiles = choose_tiles("symmetric", batch, m, m, k, L.dtype, *device_key(L.device))
+        tiles = choose_tiles("symmetric", batch, m, m, k, L.dtype, *environment.device_key(L.device))
     if tiles.block_m != tiles.block_n:
         raise ValueError(f"symmetric_matmul: tiles must be square, got {tiles}")
     rows = -(-m // tiles.block_m)

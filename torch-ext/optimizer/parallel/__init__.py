@@ -4,7 +4,7 @@
                   owns which unit, every buffer offset, which units are cut over k ranks or moved),
                   computed once per step context and cached;
 - ``execution/``  the pipeline that runs a plan: gather, orthogonalize, scatter, update, per chunk,
-                  calling the update rule's stages (``optimizer.rule.MatrixStep``) on every piece;
-- ``split_newton_schulz.py``, ``split_products.py``  the Newton–Schulz iteration of one unit cut
-                  over k ranks (the execution of a cut).
+                  calling the update rule's stages (``optimizer.rule.MatrixStep``) on every piece.
+
+The Newton–Schulz iteration of one unit cut over k ranks is ``optimizer.newton_schulz.cut``.
 """

@@ -1,6 +1,6 @@
 """A step of Muon around the update rule: what it caches, how the ranks agree, and the Muon half.
 
-``rule.py`` is the update rule of one matrix on local tensors (momentum, Newton–Schulz, NorMuon,
+``rule/`` is the update rule of one matrix on local tensors (momentum, Newton–Schulz, NorMuon,
 the update, QK-clip's scaling); this folder is what a step does with it for all parameters:
 
 - ``context.py``      the step's cache (rebuilt when its key changes: parameters, layouts, which

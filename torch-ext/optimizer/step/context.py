@@ -23,11 +23,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .. import settings as options
-from ..checks import gradient_problem, kernels_param_problem, param_problem
+from ..settings import MuonSettings, settings_key
+from ..checks import gradient_problem, param_problem
 from ..distributed import agreement, groups
 from ..matrix_view import LayoutCache
 from ..named_params import NamedParam
+from ..newton_schulz.implementation import Implementation, Implementations
 from ..parallel.planning.plan import StepPlan, build_plan
 from ..parallel.planning.plan_inputs import plan_input, plan_settings
 from ..parallel.planning.process_groups import missing_rank_sets
@@ -38,17 +39,17 @@ from ..tensors import is_dtensor, local_view
 from .agreement import LocalFacts, count_nonfinite, describe, mesh_device, verdict
 
 
-def context_key(settings: options.MuonSettings, param_groups: Sequence[Mapping]) -> tuple:
+def context_key(settings: MuonSettings, param_groups: Sequence[Mapping]) -> tuple:
     """What a context depends on.  Parameters enter by identity (``id``: the cached context holds
     them, so an id cannot be reused while the key lives) and by what a step reads of them (shape,
-    dtype, placements, mesh, gradient and its dtype), settings by value (``settings.plan_key``)."""
+    dtype, placements, mesh, gradient and its dtype), settings by value (``settings.settings_key``)."""
     params = []
     for group in param_groups:
         for p in group["params"]:
             g = p.grad
             layout = (id(p.device_mesh), tuple(p.placements)) if is_dtensor(p) else None
             params.append((id(p), tuple(p.shape), p.dtype, layout, g is not None, None if g is None else g.dtype))
-    return tuple(params), options.plan_key(settings, param_groups)
+    return tuple(params), settings_key(settings, param_groups)
 
 
 class StepContext:
@@ -56,8 +57,9 @@ class StepContext:
     ``planned=False`` (the groups' options are refused this step): only what the agreement needs (the
     DTensor parameters' descriptions and the group it runs on) is built."""
 
-    def __init__(self, key: tuple, all_params: list[NamedParam], settings: options.MuonSettings,
-                 param_groups: Sequence[Mapping], layouts: LayoutCache, rank: int, planned: bool = True):
+    def __init__(self, key: tuple, all_params: list[NamedParam], settings: MuonSettings,
+                 param_groups: Sequence[Mapping], layouts: LayoutCache, implementations: Implementations, rank: int,
+                 planned: bool = True):
         self.key = key
         self.settings = settings
         self.all_params = all_params
@@ -67,6 +69,8 @@ class StepContext:
         self.muon_groups = [param_groups[e.group] for e in self.muon]
         self.device = local_view(self.muon[0].param).device if self.muon else torch.device("cpu")
         self.row_blocks: list[RowBlocks | None] = [None] * len(self.muon)
+        # what runs each Muon parameter's products and stages (newton_schulz/implementation.py)
+        self.implementations: list[Implementation] = []
         self.head_map: HeadMap | None = None
         self.plan = StepPlan()
         self._layouts = layouts
@@ -76,10 +80,12 @@ class StepContext:
         if not planned:
             return
         self.errors += [problem for e in all_params if (problem := param_problem(e.name, e.param))]
-        self.errors += [problem for e in all_params if (problem := kernels_param_problem(
+        self.errors += [problem for e in all_params if (problem := implementations.param_problem(
             e.name, e.param, param_groups[e.group], settings.compute_dtype))]
         if self.errors:
             return
+        self.implementations = [implementations.for_param(e.param, group, settings.compute_dtype)
+                                for e, group in zip(self.muon, self.muon_groups)]
         if settings.qk_clip is not None:
             try:
                 self.head_map = build_head_map(settings.qk_clip, qk_params(all_params))

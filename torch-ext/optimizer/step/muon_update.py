@@ -16,10 +16,12 @@ from ..momentum_progress import MomentumProgress
 from ..parallel.execution.pipeline import gather_everything, run_parallel_muon
 from ..parallel.execution.stats import PipelineStats
 from ..qk_clip.step import ClipStep
-from ..rule import (MatrixStep, NewtonSchulz, OwnerStage, adjust_lr, fused_elementwise, momentum_, momentum_dtype,
-                    normuon_on, row_state_dtype, work_dtype)
+from ..newton_schulz.group import NewtonSchulz
+from ..newton_schulz.implementation import Implementation
+from ..rule import (MatrixStep, OwnerStage, adjust_lr, momentum_, momentum_dtype, normuon_on, row_state_dtype,
+                    work_dtype)
 from ..settings import MuonSettings
-from ..state_layout import MOMENTUM_KEY, ROW_STATE_KEY
+from ..checkpoint import MOMENTUM_KEY, ROW_STATE_KEY
 from ..tensors import is_dtensor, local_view
 from .context import StepContext
 
@@ -99,7 +101,7 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
                  clip: ClipStep | None) -> list[MatrixStep]:
     """The momentum on every local piece (one foreach call per momentum and sign), then each
     parameter's stages with this step's hyper-parameters.  Where the elementwise stages are fused
-    (``rule.fused_elementwise``) the momentum is not run here: the step carries it as pending
+    (``Implementation.fuses``) the momentum is not run here: the step carries it as pending
     (``momentum_progress.py``), ``MatrixStep.input_into`` updates it in the pass that forms the
     input, and ``MatrixStep.finish_momentum`` where the runtime forms none."""
     params, groups = context.muon_params, context.muon_groups
@@ -109,8 +111,9 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
     grads = [local_matrix(local_view(p.grad), t) for p, t in zip(params, views)]
     work = [work_dtype(p, g) for p, g in zip(params, groups)]
     signed = list(grads)
-    fused = [fused_elementwise(g.get("ns_kernels", "auto"), local_view(p), b, grad)
-             for p, g, b, grad in zip(params, groups, bufs, grads)]
+    implementations = context.implementations
+    fused = [implementation.fuses(local_view(p), b, grad)
+             for p, implementation, b, grad in zip(params, implementations, bufs, grads)]
     by_momentum: dict[tuple[float, bool], list[int]] = {}
     for i, group in enumerate(groups):
         if fused[i]:  # with the input, in one pass (the gradient read as stored, its sign a flag)
@@ -121,14 +124,18 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
         for i, g in zip(idx, moved):
             signed[i] = g
 
-    stages: dict[int, OwnerStage] = {}  # one per group: its matrices may share a batched call
+    stages: dict[tuple, OwnerStage] = {}  # one per group (and device): its matrices may share a batched call
     steps = []
     for i, (p, group) in enumerate(zip(params, groups)):
         beta2 = group.get("normuon_beta2")  # None: Muon
         if context.row_blocks[i] is not None:  # its own stage: never batched with other weights
-            stage = OwnerStage(_newton_schulz(group, settings), context.row_blocks[i], group["adjust_lr"], beta2)
+            stage = OwnerStage(_newton_schulz(group, settings, implementations[i]), context.row_blocks[i],
+                               group["adjust_lr"], beta2)
         else:
-            stage = stages.setdefault(id(group), OwnerStage(_newton_schulz(group, settings), normuon_beta2=beta2))
+            stage = stages.get((id(group), implementations[i]))
+            if stage is None:
+                stage = stages[id(group), implementations[i]] = OwnerStage(
+                    _newton_schulz(group, settings, implementations[i]), normuon_beta2=beta2)
         lr = group["lr"]
         steps.append(MatrixStep(
             param=local_matrix(local_view(p), views[i]), grad=signed[i], buf=bufs[i], momentum=group["momentum"],
@@ -141,6 +148,6 @@ def matrix_steps(context: StepContext, state: MutableMapping, settings: MuonSett
     return steps
 
 
-def _newton_schulz(group, settings: MuonSettings) -> NewtonSchulz:
+def _newton_schulz(group, settings: MuonSettings, implementation: Implementation) -> NewtonSchulz:
     return NewtonSchulz(group["ns_steps"], group["ns_coefficients"], group.get("ns_method", "auto"), group["eps"],
-                        settings.compute_dtype, group.get("ns_kernels", "auto"))
+                        settings.compute_dtype, implementation)

@@ -94,11 +94,22 @@ class MaxLogitRecorder:
         self.chunk_size = chunk_size
         self.compute_dtype = compute_dtype
         self._tp = 1 if tp_group is None else dist.get_world_size(tp_group)
-        wanted = None if layers is None else set(layers)
         self._local_heads: dict = {}  # layer -> query heads on this rank (to fill a layer that did not run)
         self._device: dict = {}
         self._hooks: list = []
-        inners = []  # everything is checked before the first hook is registered
+        inners = self._attention_layers(model_parts, None if layers is None else set(layers))
+        for layer, fqn, inner in inners:
+            self._hooks.append(inner.register_forward_pre_hook(
+                functools.partial(self._hook, layer, fqn), with_kwargs=True))
+        self.layers = sorted(self._local_heads, key=layer_sort_key)
+        self._step = 0
+        self._local: dict = {}
+        self._forwards = 0
+
+    def _attention_layers(self, model_parts, wanted: set | None) -> list:
+        """``[(layer, fqn, inner attention)]`` to hook, each checked (and this rank's heads and device
+        of each recorded) before the first hook is registered."""
+        inners = []
         for fqn, layer, m in attention_modules(model_parts):
             if wanted is not None and layer not in wanted:
                 continue
@@ -129,13 +140,7 @@ class MaxLogitRecorder:
                 f"MaxLogitRecorder: no torchtitan attention module (BaseAttention with an inner_attention) for layers "
                 f"{missing or '(any)'} in the model parts; their logits cannot be recorded."
             )
-        for layer, fqn, inner in inners:
-            self._hooks.append(inner.register_forward_pre_hook(
-                functools.partial(self._hook, layer, fqn), with_kwargs=True))
-        self.layers = sorted(self._local_heads, key=layer_sort_key)
-        self._step = 0
-        self._local: dict = {}
-        self._forwards = 0
+        return inners
 
     @classmethod
     def for_parallel_dims(cls, model_parts: Sequence[nn.Module], parallel_dims, **kwargs) -> MaxLogitRecorder:

@@ -3,7 +3,7 @@
 :func:`split_ns_cost` gives, for a shape cut over k ranks, every member's FLOPs, the bytes each
 member sends (= receives) in the collectives, their count and the modelled time; the planner
 (``cut_model.py``) compares that time with the unit's whole time to decide what to cut, and the
-split iteration (``split_newton_schulz.py``) asks :func:`choose_b_split` and
+split iteration (``newton_schulz/cut.py``) asks :func:`choose_b_split` and
 :func:`choose_recursion` how to run each step.  Every rank computes the same answers.
 
 Time = max(kernels x launch, compute + collectives), with compute = the busiest member's FLOPs /
@@ -20,7 +20,9 @@ from typing import Sequence
 
 import torch
 
-from ...newton_schulz import CoefficientSpec, check_ns_method, gram_restart_plan, resolve_ns_coefficients
+from ...newton_schulz.coefficients import CoefficientSpec, resolve_ns_coefficients
+from ...newton_schulz.forms import check_ns_method
+from ...newton_schulz.restarts import gram_restart_plan
 from .cut_hardware import CUDA_NVLINK, SplitHardware
 from .owners import split_range_evenly
 

@@ -14,7 +14,8 @@ from typing import Sequence
 
 import torch
 
-from ...newton_schulz import CoefficientSpec, choose_ns_form, ns_form_dtypes
+from ...newton_schulz.coefficients import CoefficientSpec
+from ...newton_schulz.forms import choose_ns_form, ns_form_dtypes
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class SplitHardware:
     inter_step_latency: float = 0.0
     kernel_launch: float = 0.0
     # How much of a collective's time it costs the products it overlaps (two halves of a batch,
-    # interleaved: ``split_newton_schulz._interleaved``): 0 = free overlap, 1 = none (then the
+    # interleaved: ``newton_schulz.cut._interleaved``): 0 = free overlap, 1 = none (then the
     # halves cost what they cost one after the other).
     overlap_cost: float = 1.0
     device: str = ""

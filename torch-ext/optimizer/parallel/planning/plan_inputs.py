@@ -17,7 +17,7 @@ import torch
 from ...distributed.layout import ParamLayout
 from ...matrix_view import LayoutCache, view_shape
 from ...named_params import NamedParam
-from ...newton_schulz import default_compute_dtype, newton_schulz_flops, ns_io_dtype
+from ...newton_schulz.forms import default_compute_dtype, newton_schulz_flops, ns_io_dtype
 from ...row_blocks import ROW_BLOCKS_KEY, RowBlocks, resolve_row_blocks, spec_for
 from ...rule import normuon_on, row_state_dtype, work_dtype
 from ...settings import MuonSettings
