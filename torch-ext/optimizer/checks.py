@@ -29,17 +29,36 @@ def param_names_problem(group, where: str) -> str | None:
     return None
 
 
-def check_group_params(group: dict, names: list[str]) -> None:
-    """Parameters a group cannot hold: complex tensors; non-matrices in a Muon group."""
+def check_group_params(group: dict, names: list[str], where: str = "its group") -> None:
+    """Parameters a group cannot hold: complex tensors; non-matrices in a Muon or Dion2 group;
+    DTensors in a Dion2 group (:func:`dion2_param_problem`)."""
     for name, p in zip(names, group["params"]):
         if p.is_complex():
             raise ValueError(f"Muon: parameter '{name}' is complex; Muon and its AdamW path support real tensors only")
+        if group["use_muon"] and group.get("dion2_fraction") is not None:
+            problem = dion2_param_problem(name, p, where)
+            if problem:
+                raise ValueError(problem)
         if group["use_muon"] and p.dim() < 2:
             raise ValueError(
                 f"Muon: parameter '{name}' has shape {tuple(p.shape)} but is in a Muon group; Muon "
                 "orthogonalises matrices (2-D, or 3-D expert weights). Put 0-D/1-D parameters "
                 "(norms, biases) in a group with use_muon=False."
             )
+
+
+def dion2_param_problem(name: str, param: torch.Tensor, where: str) -> str | None:
+    """Why a parameter of a Dion2 group (``where``) cannot be stepped, or None: Dion2 updates
+    matrices (``dion2_rule.check_matrix``), and runs on plain tensors for now."""
+    if param.dim() < 2:
+        return (f"Muon: parameter '{name}' has shape {tuple(param.shape)} but is in a Dion2 group ({where}); Dion2 "
+                "updates matrices [..., m, n] (2-D weights, 3-D expert stacks): put it in a group with "
+                "use_muon=False (dion's algorithm='adamw' or 'lion')")
+    if is_dtensor(param):
+        return (f"Muon: parameter '{name}' is a DTensor (placements {tuple(param.placements)}) in a Dion2 group "
+                f"({where}): Dion2 runs on plain tensors for now, and distributed Dion2 (every placement, the "
+                "exact selection) lands next. Until then put sharded matrices in a Muon group (dion2_fraction=None)")
+    return None
 
 
 def param_problem(name: str, param: torch.Tensor) -> str | None:

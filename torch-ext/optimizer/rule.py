@@ -46,7 +46,7 @@ from .qk_clip.step import apply_clip_
 from .row_blocks import RowBlocks, compile_blocks
 from .settings import dtype_of
 
-ADJUST_LR_MODES = ("match_rms_adamw", "original", "none", None)
+ADJUST_LR_MODES = ("match_rms_adamw", "original", "spectral_norm", "none", None)
 
 
 # ---------------------------------------------------------------------------- the formulas
@@ -59,6 +59,8 @@ def adjust_lr(lr: float, shape: Sequence[int], mode: str | None) -> float:
       sqrt(max(A, B))`` gives the orthogonalised update the RMS of a typical AdamW update, so
       AdamW's lr and weight decay carry over.
     - ``"original"`` (Keller Jordan): ``lr * sqrt(max(1, A / B))``.
+    - ``"spectral_norm"`` (dion's default for Dion2 and NorDion2): ``lr * sqrt(A / B)``, below
+      ``lr`` for a wide matrix (no ``max(1, .)``).
     - ``None`` / ``"none"``: ``lr`` unchanged. (torch.optim.Muon reads ``None`` as "original".)
     """
     if len(shape) < 2:
@@ -68,10 +70,12 @@ def adjust_lr(lr: float, shape: Sequence[int], mode: str | None) -> float:
         return lr * 0.2 * math.sqrt(max(A, B))
     if mode == "original":
         return lr * math.sqrt(max(1.0, A / B))
+    if mode == "spectral_norm":
+        return lr * math.sqrt(A / B)
     if mode is None or mode == "none":
         return lr
     raise ValueError(
-        f"adjust_lr: unknown mode {mode!r}; use 'match_rms_adamw', 'original' or None"
+        f"adjust_lr: unknown mode {mode!r}; use 'match_rms_adamw', 'original', 'spectral_norm' or None"
     )
 
 
