@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .dion2_checks import dion2_param_problem
 from .newton_schulz import ns_form_dtypes
 from .ns_kernels import kernels_problem, shape_problem
 from .tensors import is_dtensor, local_view
@@ -45,20 +46,6 @@ def check_group_params(group: dict, names: list[str], where: str = "its group") 
                 "orthogonalises matrices (2-D, or 3-D expert weights). Put 0-D/1-D parameters "
                 "(norms, biases) in a group with use_muon=False."
             )
-
-
-def dion2_param_problem(name: str, param: torch.Tensor, where: str) -> str | None:
-    """Why a parameter of a Dion2 group (``where``) cannot be stepped, or None: Dion2 updates
-    matrices (``dion2_rule.check_matrix``), and runs on plain tensors for now."""
-    if param.dim() < 2:
-        return (f"Muon: parameter '{name}' has shape {tuple(param.shape)} but is in a Dion2 group ({where}); Dion2 "
-                "updates matrices [..., m, n] (2-D weights, 3-D expert stacks): put it in a group with "
-                "use_muon=False (dion's algorithm='adamw' or 'lion')")
-    if is_dtensor(param):
-        return (f"Muon: parameter '{name}' is a DTensor (placements {tuple(param.placements)}) in a Dion2 group "
-                f"({where}): Dion2 runs on plain tensors for now, and distributed Dion2 (every placement, the "
-                "exact selection) lands next. Until then put sharded matrices in a Muon group (dion2_fraction=None)")
-    return None
 
 
 def param_problem(name: str, param: torch.Tensor) -> str | None:

@@ -32,6 +32,8 @@ from . import settings
 from . import checkpoint
 from .adamw import adamw_group_step_, step_as_tensor_
 from .checks import check_group_params, kernels_param_problem, param_names_problem
+from .dion2_checks import dion2_group_problem, is_dion2
+from .dion2_step import dion2_update
 from .lion import lion_group_step_
 from .matrix_view import LayoutCache
 from .named_params import named_params
@@ -124,6 +126,9 @@ class Muon(Optimizer):
         settings.check_group(group, where)
         entries = [e for e in named_params(self.param_groups) if e.group == index]
         check_group_params(group, [e.name for e in entries], where)
+        problem = is_dion2(group) and dion2_group_problem(group, where, self.settings)
+        if problem:
+            raise ValueError(problem)
         for e in entries:
             problem = kernels_param_problem(e.name, e.param, group, self.settings.compute_dtype, adding=True)
             if problem:
@@ -158,6 +163,7 @@ class Muon(Optimizer):
         for group in self.param_groups:
             if not group["use_muon"]:
                 (lion_group_step_ if settings.kind_of(group) == settings.LION else adamw_group_step_)(group, self.state)
+        dion2_update(context.dion2, [self.param_groups[e.group] for e in context.dion2], self.state, self.settings)
         self._record_stats(muon_update(context, self.state, self.settings, clip))
         return loss
 
