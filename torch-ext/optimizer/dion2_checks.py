@@ -1,5 +1,6 @@
-"""Why a Dion2 group or parameter cannot be stepped, with errors that name the culprit and the fix:
-checked when a group is added (``Muon._check_group``) and again at every step before anything
+"""Why a Dion2 group or parameter cannot be stepped, with errors that name the culprit and the fix.
+
+Checked when a group is added (``Muon._check_group``) and again at every step before anything
 changes (``step/context.py``, agreed by the ranks like every problem).  Dion2 runs on one device,
 on plain tensors, without row blocks, a split Newton–Schulz or QK-clip (``docs/dion2.md``)."""
 

@@ -1,4 +1,4 @@
-"""Dion2 and NorDion2's update rule, as pure functions of local tensors (not wired into Muon yet).
+"""Dion2 and NorDion2's update rule, as pure functions of local tensors (``dion2_step.py`` runs it in ``Muon.step``).
 
 Dion2 (Ahn, Amsel, Langford, arXiv 2512.16928; microsoft/dion 0a059a4 ``dion/dion2.py``)
 orthogonalises a fraction of each matrix: for a weight ``W`` ``[..., m, n]`` (each matrix of a

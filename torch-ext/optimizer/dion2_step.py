@@ -1,14 +1,17 @@
-"""The Dion2 half of a step, on one device: every parameter of a Dion2 group (a ``use_muon``
-group with ``dion2_fraction``; NorDion2 with ``normuon_beta2`` too) stepped by
-``dion2_rule.dion2_step_`` on the whole matrix it holds (plain tensors only: a DTensor in a
-Dion2 group is refused at construction and at step, ``dion2_checks.py``).  The distributed selection (``docs/dion2.md``) is not built yet.
+"""The Dion2 half of a step, on one device, for plain tensors.
+
+Every parameter of a Dion2 group (a ``use_muon`` group with ``dion2_fraction``; NorDion2 with
+``normuon_beta2`` too) is stepped by ``dion2_rule.dion2_step_`` on the whole matrix it holds. A
+DTensor in a Dion2 group is refused at construction and at step (``dion2_checks.py``): the
+distributed selection (``docs/dion2.md``) is not built yet.
 
 What the step reads of a group is Muon's: the momentum buffer (``momentum_buffer``, in
 ``momentum_dtype``), NorMuon's ``normuon_v`` (``normuon_beta2``), ``lr`` and ``adjust_lr`` (of the
 matrix's own shape, never the chosen submatrix's), ``weight_decay``, ``cautious_wd``,
 ``maximize``, the ``[out, in]`` view of a ``muon_transposed`` weight, and Newton–Schulz's options
 (``ns_steps``, ``ns_coefficients``, ``ns_method``, ``eps``, ``ns_kernels``), which orthogonalise
-the chosen ``k``-slice submatrix.  What it does not build is refused (``dion2_checks.dion2_group_problem``).
+the chosen ``k``-slice submatrix.  What it does not build is refused
+(``dion2_checks.dion2_group_problem``).
 """
 
 from __future__ import annotations

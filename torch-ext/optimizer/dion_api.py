@@ -1,4 +1,5 @@
-"""dion's constructors (microsoft/dion ``Dion2``, ``NorDion2``, ``Dion3``) on :class:`~optimizer.Muon`:
+"""dion's constructors (microsoft/dion ``Dion2``, ``NorDion2``, ``Dion3``) on :class:`~optimizer.Muon`.
+
 dion's keywords and group keys mapped onto Muon's options, so that code written for dion's Dion2
 runs unchanged (``docs/from_dion.md`` has the table).  Thin: every value is then checked, agreed
 and stepped as Muon's own options are (``dion2_step.py`` runs the groups; single device for now).

@@ -1,5 +1,6 @@
-"""Lion for ``algorithm="lion"`` groups (``use_muon=False``), as dion's ``scalar_opts.lion_update``
-defines it (Chen et al., arXiv 2302.06675), for one group's parameters:
+"""Lion for ``algorithm="lion"`` groups (``use_muon=False``), as dion's ``scalar_opts.lion_update`` defines it.
+
+Lion (Chen et al., arXiv 2302.06675), for one group's parameters:
 
     U <- sign(beta1 M + (1 - beta1) G)        the update: every entry -1, 0 or +1 (sign(0) = 0)
     M <- beta2 M + (1 - beta2) G              the momentum, after the update is read
