@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -323,6 +324,46 @@ def test_lion_refuses_eps_and_adamw_keeps_it():
         Muon([{"params": [b], "use_muon": False, "algorithm": "lion", "eps": 1e-8}])
     with pytest.raises(ValueError, match="algorithm` must be one of"):
         Muon([{"params": [b], "use_muon": False, "algorithm": "sgd"}])
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_a_checkpoint_resumes_dion2_nordion2_and_lion_bit_for_bit():
+    """state_dict -> a fresh optimizer -> load: the next steps equal the uninterrupted run's."""
+    def build(params):
+        return NorDion2([dict(params=[params[0]]), dict(params=[params[1]], algorithm="lion"),
+                         dict(params=[params[2]], algorithm="adamw")], lr=0.02, fraction=0.5)
+    a = _params()
+    b = [Parameter(p.detach().clone()) for p in a]
+    run, resumed = build(a), build(b)
+    for i in range(2):
+        _grads(run, i)
+        run.step()
+    saved = copy.deepcopy(run.state_dict())
+    for p, q in zip(a, b):
+        q.data.copy_(p.detach())
+    resumed.load_state_dict(saved)
+    for i in range(2, 4):
+        _grads(run, i)
+        _grads(resumed, i)
+        run.step()
+        resumed.step()
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert set(resumed.state[b[0]]) == {"momentum_buffer", "normuon_v"} and set(resumed.state[b[1]]) == {"exp_avg"}
+
+
+def test_a_checkpoint_of_another_algorithm_is_refused_and_changes_nothing():
+    w, b, c = _params()
+    opt = Dion2([dict(params=[w]), dict(params=[b], algorithm="lion"), dict(params=[c], algorithm="adamw")])
+    _grads(opt, 0)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][1]["algorithm"] = "adamw"
+    snapshot = Snapshot(opt)
+    with pytest.raises(ValueError, match="algorithm='adamw'"):
+        opt.load_state_dict(saved)
+    snapshot.assert_unchanged(opt)
 
 
 # --------------------------------------------------------------------------- DTensors (2 gloo ranks)

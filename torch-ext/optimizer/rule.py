@@ -46,7 +46,7 @@ from .qk_clip.step import apply_clip_
 from .row_blocks import RowBlocks, compile_blocks
 from .settings import dtype_of
 
-ADJUST_LR_MODES = ("match_rms_adamw", "original", "spectral_norm", "none", None)
+ADJUST_LR_MODES = ("match_rms_adamw", "original", "none", None)
 
 
 # ---------------------------------------------------------------------------- the formulas
@@ -59,8 +59,7 @@ def adjust_lr(lr: float, shape: Sequence[int], mode: str | None) -> float:
       sqrt(max(A, B))`` gives the orthogonalised update the RMS of a typical AdamW update, so
       AdamW's lr and weight decay carry over.
     - ``"original"`` (Keller Jordan): ``lr * sqrt(max(1, A / B))``.
-    - ``"spectral_norm"`` (dion's default for Dion2 and NorDion2): ``lr * sqrt(A / B)``, below
-      ``lr`` for a wide matrix (no ``max(1, .)``).
+    - ``"spectral_norm"`` (dion's Dion2 default): ``lr * sqrt(A / B)`` (no ``max(1, .)``).
     - ``None`` / ``"none"``: ``lr`` unchanged. (torch.optim.Muon reads ``None`` as "original".)
     """
     if len(shape) < 2:
@@ -74,9 +73,7 @@ def adjust_lr(lr: float, shape: Sequence[int], mode: str | None) -> float:
         return lr * math.sqrt(A / B)
     if mode is None or mode == "none":
         return lr
-    raise ValueError(
-        f"adjust_lr: unknown mode {mode!r}; use 'match_rms_adamw', 'original', 'spectral_norm' or None"
-    )
+    raise ValueError(f"adjust_lr: unknown mode {mode!r}; use 'match_rms_adamw', 'original', 'spectral_norm' or None")
 
 
 def momentum_(bufs: list[Tensor], grads: list[Tensor], momentum: float, maximize: bool = False,
