@@ -148,6 +148,20 @@ def test_dion2_steps_as_the_muon_it_maps_to():
             assert all(torch.equal(dion.state[p][k], muon.state[q][k]) for k in dion.state[p])
 
 
+def test_add_param_group_takes_dions_group_keys_also_after_a_deepcopy():
+    w, b, c = _params()
+    opt = copy.deepcopy(Dion2([w], betas=(0.8, 0.9), fraction=0.5))
+    opt.add_param_group(dict(params=[b], algorithm="lion", beta2=0.7))
+    opt.add_param_group(dict(params=[_matrix()], ef_decay=0.6))
+    lion = opt.param_groups[1]
+    assert (lion["betas"], lion["algorithm"], lion["use_muon"]) == ((0.8, 0.7), "lion", False)
+    assert opt.param_groups[2]["dion2_ef_decay"] == 0.6 and opt.param_groups[2]["use_muon"]
+    with pytest.raises(ValueError, match="`beta1`"):
+        opt.add_param_group(dict(params=[_matrix()], beta1=0.9))
+    _grads(opt, 0)
+    opt.step()
+
+
 # --------------------------------------------------------------------------- refused keywords
 
 

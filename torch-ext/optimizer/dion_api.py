@@ -188,7 +188,25 @@ def log_selection(opt: Muon, who: str) -> None:
                         "rows" if dim == dion2_rule.ROWS else "columns")
 
 
-class Dion2(Muon):
+class _DionGroups(Muon):
+    """dion's group keys also in ``add_param_group`` (a group without ``use_muon`` is dion's: mapped
+    as the constructor maps it); the mapping's inputs survive pickling and ``deepcopy``."""
+
+    ALGORITHM = ""
+    DION2_KEYS: dict[str, str] = {}
+
+    def add_param_group(self, param_group: dict) -> None:
+        if isinstance(param_group, Mapping) and "use_muon" not in param_group:
+            betas, flatten = self.__dict__.get("_dion_groups", ((0.9, 0.95), False))
+            param_group = _dion_group(dict(param_group), f"{type(self).__name__}: param group "
+                                      f"{len(self.param_groups)}", self.ALGORITHM, betas, flatten, self.DION2_KEYS)
+        super().add_param_group(param_group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_dion_groups": self.__dict__.get("_dion_groups")}
+
+
+class Dion2(_DionGroups):
     """dion's ``Dion2`` (microsoft/dion ``dion/dion2.py``): its keywords and defaults, on Muon.
 
     Groups are dion's: ``algorithm="dion2"`` (the default) groups are Dion2 groups (Muon groups
@@ -199,6 +217,7 @@ class Dion2(Muon):
     (the kernels where they run) / "gram".  ``docs/from_dion.md`` lists every keyword."""
 
     ALGORITHM = "dion2"
+    DION2_KEYS = {"fraction": "dion2_fraction", "ef_decay": "dion2_ef_decay"}
 
     def __init__(self, params, distributed_mesh=None, lr: float = 0.01, fraction: float = 0.25,
                  ef_decay: float = 0.95, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.01,
@@ -212,17 +231,17 @@ class Dion2(Muon):
             adjust_lr=adjust_lr, use_triton=use_triton, use_polar_express=use_polar_express,
             use_gram_newton_schulz=use_gram_newton_schulz, newton_schulz_func=newton_schulz_func,
             triton_post_ortho=triton_post_ortho, selection_scope=selection_scope)
-        _build(self, who, params, distributed_mesh, keywords, betas, flatten, verbose,
-               {"fraction": "dion2_fraction", "ef_decay": "dion2_ef_decay"})
+        _build(self, who, params, distributed_mesh, keywords, betas, flatten, verbose)
 
 
-class NorDion2(Muon):
+class NorDion2(_DionGroups):
     """dion's ``NorDion2`` (``dion/nordion2.py``; also ``Dion3``): Dion2 with NorMuon's per-row
     normalisation of the chosen rows.  ``mu`` is the error-feedback decay (Muon's
     ``dion2_ef_decay``), ``muon_beta2`` NorMuon's beta2 (``normuon_beta2``); groups use
     ``algorithm="nordion2"`` (the default), ``"adamw"`` or ``"lion"``.  Otherwise as :class:`Dion2`."""
 
     ALGORITHM = "nordion2"
+    DION2_KEYS = {"fraction": "dion2_fraction", "mu": "dion2_ef_decay", "muon_beta2": "normuon_beta2"}
 
     def __init__(self, params, distributed_mesh=None, lr: float = 0.01, fraction: float = 0.25, mu: float = 0.95,
                  muon_beta2: float = 0.95, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.01,
@@ -238,20 +257,20 @@ class NorDion2(Muon):
             use_gram_newton_schulz=use_gram_newton_schulz, newton_schulz_func=newton_schulz_func,
             triton_post_ortho=triton_post_ortho, selection_scope=selection_scope, normuon_beta2=muon_beta2,
             ef_name="mu")
-        _build(self, who, params, distributed_mesh, keywords, betas, flatten, False,
-               {"fraction": "dion2_fraction", "mu": "dion2_ef_decay", "muon_beta2": "normuon_beta2"})
+        _build(self, who, params, distributed_mesh, keywords, betas, flatten, False)
 
 
 #: dion exports NorDion2 also as Dion3 (an alias, not a subclass).
 Dion3 = NorDion2
 
 
-def _build(opt: Muon, who: str, params, mesh, keywords: dict, betas, flatten, verbose, dion2_keys) -> None:
+def _build(opt: _DionGroups, who: str, params, mesh, keywords: dict, betas, flatten, verbose) -> None:
     """Map the groups, check the mesh and build the Muon underneath."""
     if not isinstance(flatten, bool) or not isinstance(verbose, bool):
         raise ValueError(f"{who}: `flatten` and `verbose` must be True or False, got {flatten!r}, {verbose!r}")
-    groups = dion_groups(params, who, type(opt).ALGORITHM, tuple(betas), flatten, dion2_keys)
+    groups = dion_groups(params, who, opt.ALGORITHM, tuple(betas), flatten, opt.DION2_KEYS)
     check_mesh(who, mesh, groups)
+    opt._dion_groups = (tuple(betas), flatten)
     Muon.__init__(opt, groups, **keywords)
     if verbose:
         log_selection(opt, who)
