@@ -399,6 +399,26 @@ def _dtensor_in_a_dion2_group(rank, world_size):
             out[name] = None
         except ValueError as err:
             out[name] = str(err)
+    # made a DTensor after construction (accelerate's FSDP2 idiom): refused at the step, nothing changed
+    late = Muon([{"params": [Parameter(torch.ones(8, 6))], "param_names": ["w"], "use_muon": True}],
+                dion2_fraction=0.25)
+    late.param_groups[0]["params"][0] = w
+    w.grad = distribute_tensor(torch.ones(8, 6), mesh, [Shard(0)])
+    try:
+        late.step()
+        out["late"] = None
+    except ValueError as err:
+        out["late"] = str(err)
+    out["late unchanged"] = bool((w.full_tensor() == 1).all()) and not late.state
+    # a DTensor on a sub-mesh (this rank alone) does not hold distributed_mesh's ranks
+    grid = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("a", "b"))
+    alone = Parameter(distribute_tensor(torch.ones(6), grid["b"], [Shard(0)]))
+    try:
+        Dion2([dict(params=[alone], algorithm="lion")], distributed_mesh=grid)
+        out["sub-mesh"] = None
+    except ValueError as err:
+        out["sub-mesh"] = str(err)
+    Dion2([dict(params=[alone], algorithm="lion")], distributed_mesh=grid["b"])
     opt = Dion2([dict(params=[v], algorithm="lion")], distributed_mesh=mesh)  # elementwise: any DTensor
     v.grad = distribute_tensor(torch.full((6,), 2.0), mesh, [Shard(0)])
     opt.step()
@@ -410,6 +430,8 @@ def test_a_dtensor_in_a_dion2_group_is_refused_by_name():
     for out in run_ranks(_dtensor_in_a_dion2_group, 2, timeout=60):
         for name in ("muon", "dion2"):
             assert out[name] is not None and "'w' is a DTensor" in out[name] and "Dion2" in out[name], out[name]
+        assert out["late"] is not None and "'w' is a DTensor" in out["late"] and out["late unchanged"], out["late"]
+        assert out["sub-mesh"] is not None and "do not include distributed_mesh's [0, 1]" in out["sub-mesh"]
         # Lion with weight decay 0.01, lr 0.01: 1 * (1 - 1e-4) - 0.01 * sign(0.05 * 2)
         assert out["lion"] == pytest.approx([1 - 1e-4 - 0.01] * 6, abs=1e-7)
         assert math.isfinite(out["lion"][0])

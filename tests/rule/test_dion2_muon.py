@@ -50,8 +50,8 @@ def moved_slices(before: torch.Tensor, after: torch.Tensor, dim: int) -> list[li
 
 
 def run_against_reference(shape, *, nor=False, steps=3, adjust_lr="spectral_norm", ns=None, ref_ns=None,
-                          cautious=False, maximize=False, transposed=False, fraction=FRACTION, seed=0, ref_adjust="spectral_norm",
-                          **group):
+                          cautious=False, maximize=False, transposed=False, fraction=FRACTION, seed=0,
+                          ref_adjust="spectral_norm", **group):
     """Step a Dion2 (NorDion2 with ``nor``) group and the reference side by side and assert the
     module docstring's claims at every step; ``ns``: the group's Newton–Schulz options."""
     ns = ns or {"ns_coefficients": "polar_express", "ns_method": "classic", "ns_kernels": "torch"}
