@@ -70,7 +70,8 @@ def _code(value) -> str:
 
 
 def _scope(kinds: tuple[str, ...]) -> str:
-    return "per group (" + ", ".join({"muon": "Muon", "adamw": "AdamW"}[k] for k in kinds) + ")"
+    names = {"muon": "Muon", "dion2": "Dion2", "adamw": "AdamW", "lion": "Lion"}
+    return "per group (" + ", ".join(names[k] for k in kinds) + ")"
 
 
 def options_table(settings=None) -> str:

@@ -49,13 +49,19 @@ CONSTRUCTOR_ALTERNATIVES = {
     "qk_clip": QKClipConfig(head_dim=4, threshold=1e9), "distributed_mode": "gather", "chunk_size": 1,
     "lookahead": 2, "replica_split": "never", "replica_split_flops_per_byte": 7.0, "skip_nonfinite": True,
     "normuon_beta2": 0.9, "cautious_wd": True, "momentum_dtype": torch.bfloat16, "ns_kernels": "torch",
+    "dion2_fraction": 0.25, "dion2_ef_decay": 0.9, "lion_betas": (0.8, 0.9),
 }
 GROUP_ALTERNATIVES = {
     "lr": 0.03, "weight_decay": 0.2, "momentum": 0.9, "nesterov": False, "ns_steps": 4,
     "ns_coefficients": "polar_express", "ns_method": "classic", "ns_split": "always", "adjust_lr": "original",
     "eps": 1e-6, "betas": (0.8, 0.9), "maximize": True, "muon_row_blocks": "heads:2", "muon_transposed": True,
     "normuon_beta2": 0.9, "cautious_wd": True, "momentum_dtype": torch.bfloat16, "ns_kernels": "torch",
+    "dion2_fraction": 0.25, "dion2_ef_decay": 0.9, "algorithm": "lion",
 }
+# Dion2 refuses DTensor parameters until the distributed selection is built (issue 40's next
+# phase; tests/core/test_dion2_api.py checks the refusal): the agreement test below cannot build a
+# Dion2 group on a mesh yet, and adds these when it can.
+NOT_YET_ON_A_MESH = {"dion2_fraction", "dion2_ef_decay"}
 
 
 def test_every_option_has_an_alternative():
@@ -83,6 +89,8 @@ def _every_option_differing(rank, world_size, cases):
         named = [(n, torch.nn.Parameter(to_dtensor(params[n], mesh, [parse_placement(x) for x in pl])))
                  for n, _, pl in SPECS]
         groups = build_groups(named)
+        if key == "lion_betas":  # Lion's betas are read by Lion groups only: one on every rank
+            groups[1]["algorithm"] = "lion"
         kwargs = dict(lr=0.02)
         if rank == world_size - 1:
             if kind == "constructor":
@@ -101,8 +109,8 @@ def _every_option_differing(rank, world_size, cases):
 
 
 def test_every_declared_option_set_differently_on_one_rank_is_refused_on_every_rank_by_name():
-    cases = [("constructor", k, v) for k, v in CONSTRUCTOR_ALTERNATIVES.items()]
-    cases += [("group", k, v) for k, v in GROUP_ALTERNATIVES.items()]
+    cases = [("constructor", k, v) for k, v in CONSTRUCTOR_ALTERNATIVES.items() if k not in NOT_YET_ON_A_MESH]
+    cases += [("group", k, v) for k, v in GROUP_ALTERNATIVES.items() if k not in NOT_YET_ON_A_MESH]
     results = run_ranks(_every_option_differing, 2, cases, timeout=120)
     for kind, key, _ in cases:
         seen = [r[(kind, key)] for r in results]

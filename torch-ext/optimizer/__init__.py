@@ -5,6 +5,7 @@
 """
 
 from .attention_layouts import FusedQKV, MLAHeads
+from .dion_api import Dion2, Dion3, NorDion2
 from .max_logits import eager_max_logits, gather_max_logits
 from .muon import Muon
 from .newton_schulz import zeropower_via_newtonschulz
@@ -14,11 +15,14 @@ from .row_blocks import HeadBlocks, SplitQKV
 from .settings import MuonSettings
 
 __all__ = [
+    "Dion2",
+    "Dion3",
     "FusedQKV",
     "HeadBlocks",
     "MLAHeads",
     "Muon",
     "MuonSettings",
+    "NorDion2",
     "QKClipConfig",
     "SplitQKV",
     "eager_max_logits",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .dion2_checks import dion2_param_problem
 from .tensors import is_dtensor
 
 
@@ -27,11 +28,16 @@ def param_names_problem(group, where: str) -> str | None:
     return None
 
 
-def check_group_params(group: dict, names: list[str]) -> None:
-    """Parameters a group cannot hold: complex tensors; non-matrices in a Muon group."""
+def check_group_params(group: dict, names: list[str], where: str = "its group") -> None:
+    """Parameters a group cannot hold: complex tensors; non-matrices in a Muon or Dion2 group;
+    DTensors in a Dion2 group (:func:`dion2_param_problem`)."""
     for name, p in zip(names, group["params"]):
         if p.is_complex():
             raise ValueError(f"Muon: parameter '{name}' is complex; Muon and its AdamW path support real tensors only")
+        if group["use_muon"] and group.get("dion2_fraction") is not None:
+            problem = dion2_param_problem(name, p, where)
+            if problem:
+                raise ValueError(problem)
         if group["use_muon"] and p.dim() < 2:
             raise ValueError(
                 f"Muon: parameter '{name}' has shape {tuple(p.shape)} but is in a Muon group; Muon "

@@ -1,4 +1,4 @@
-"""Dion2 and NorDion2's update rule, as pure functions of local tensors (not wired into Muon yet).
+"""Dion2 and NorDion2's update rule, as pure functions of local tensors (``dion2_step.py`` runs it in ``Muon.step``).
 
 Dion2 (Ahn, Amsel, Langford, arXiv 2512.16928; microsoft/dion 0a059a4 ``dion/dion2.py``)
 orthogonalises a fraction of each matrix: for a weight ``W`` ``[..., m, n]`` (each matrix of a
@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .rule import apply_update_, normuon_normalize
+from .settings.checks import check_ef_decay, check_fraction  # noqa: F401 - declared with the options; re-exported
 
 ROWS, COLUMNS = -2, -1
 #: The selection's arithmetic: norms are sums of magnitudes accumulated in float64, so that
@@ -39,22 +40,6 @@ ROWS, COLUMNS = -2, -1
 NORM_DTYPE = torch.float64
 
 # ---------------------------------------------------------------------------- checks
-
-
-def check_fraction(value, where: str, context=None) -> None:
-    """``dion2_fraction`` / dion's ``fraction``: None (off) or a number in (0, 1]."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-        raise ValueError(f"Muon: `{where}` must be None (Muon) or a number in (0, 1] (the fraction of each "
-                         f"matrix's rows or columns Dion2 orthogonalises), got {value!r}")
-
-
-def check_ef_decay(value, where: str, context=None) -> None:
-    """``dion2_ef_decay`` / dion's ``ef_decay``: a finite number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"Muon: `{where}` must be a finite number >= 0 (the factor on the chosen slices' "
-                         f"momentum after each step), got {value!r}")
 
 
 def check_matrix(name: str, shape: Sequence[int]) -> None:

@@ -32,6 +32,9 @@ from . import settings
 from . import checkpoint
 from .adamw import adamw_group_step_, step_as_tensor_
 from .checks import check_group_params, param_names_problem
+from .dion2_checks import dion2_group_problem, is_dion2
+from .dion2_step import dion2_update
+from .lion import lion_group_step_
 from .matrix_view import LayoutCache
 from .newton_schulz.implementation import Implementations
 from .named_params import named_params
@@ -101,8 +104,9 @@ class Muon(Optimizer):
         first = len(self.param_groups)
         try:
             for part in parts:
-                settings.fill_group(part, self.group_defaults, torch_style)
+                settings.fill_group(part, self.group_defaults, torch_style, f"param_groups[{len(self.param_groups)}]")
                 super().add_param_group(part)
+                settings.strip_torch_defaults(part)
                 self._check_group(len(self.param_groups) - 1)
         except BaseException:
             del self.param_groups[first:]  # torch appended the parts it accepted
@@ -123,7 +127,10 @@ class Muon(Optimizer):
             raise ValueError(problem)
         settings.check_group(group, where)
         entries = [e for e in named_params(self.param_groups) if e.group == index]
-        check_group_params(group, [e.name for e in entries])
+        check_group_params(group, [e.name for e in entries], where)
+        problem = is_dion2(group) and dion2_group_problem(group, where, self.settings)
+        if problem:
+            raise ValueError(problem)
         for e in entries:
             problem = self._implementations.param_problem(e.name, e.param, group, self.settings.compute_dtype)
             if problem:
@@ -157,7 +164,9 @@ class Muon(Optimizer):
             return loss
         for group in self.param_groups:
             if not group["use_muon"]:
-                adamw_group_step_(group, self.state)
+                (lion_group_step_ if settings.kind_of(group) == settings.LION else adamw_group_step_)(group, self.state)
+        dion2_update(context.dion2, [self.param_groups[e.group] for e in context.dion2], context.dion2_implementations,
+                     self.state, self.settings)
         self._record_stats(muon_update(context, self.state, self.settings, clip))
         return loss
 
@@ -349,10 +358,9 @@ def split_by_kind(group: dict, log: bool = True) -> list[dict]:
     the Muon group only). The table of where each parameter went is logged at DEBUG level."""
     named, names = _named_params(group)
     decisions = [decide_torch_style(n, p.shape) if isinstance(p, torch.Tensor) else None for n, p in named]
-    muon_only = {o.name for o in settings.options_of(settings.MUON)} - {o.name for o in settings.GROUP_OPTIONS
-                                                                     if o.kinds == settings.BOTH}
-    adamw_only = {o.name for o in settings.options_of(settings.ADAMW)} - {o.name for o in settings.GROUP_OPTIONS
-                                                                       if settings.MUON in o.kinds}
+    matrix, elementwise = (_option_names(settings.MATRIX_KINDS), _option_names(settings.ELEMENTWISE_KINDS))
+    muon_only = matrix - {o.name for o in settings.GROUP_OPTIONS if o.kinds == settings.ALL}
+    adamw_only = elementwise - matrix
     rest = {k: v for k, v in group.items() if k not in ("params", "param_names")}
     parts = []
     for use_muon in (True, False):
@@ -369,6 +377,10 @@ def split_by_kind(group: dict, log: bool = True) -> list[dict]:
     if log:
         _log_torch_style(named, decisions)
     return parts
+
+
+def _option_names(kinds) -> set[str]:
+    return {o.name for kind in kinds for o in settings.options_of(kind)}
 
 
 def _named_params(group: dict) -> tuple[list[tuple[str | None, Any]], list[str] | None]:
@@ -420,7 +432,7 @@ def _legacy_group_defaults(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
             if name in state.get("defaults", {}) and not (name == "eps" and kind != settings.ADAMW):
                 values[name] = state["defaults"][name]  # its defaults' eps was AdamW's
     defaults[settings.ADAMW]["betas"] = tuple(state.get("adamw_betas", defaults[settings.ADAMW]["betas"]))
-    for kind in (settings.MUON, settings.TORCH_STYLE):
+    for kind in (*settings.MATRIX_KINDS, settings.TORCH_STYLE):
         defaults[kind]["eps"] = state.get("ns_eps", defaults[kind]["eps"])
     return defaults
 

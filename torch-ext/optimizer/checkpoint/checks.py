@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..lion import LION_STATE_KEYS
 from ..matrix_view import TRANSPOSED_KEY, row_state_layout, transposed_for
 from ..qk_clip import QKClipConfig, config_from_record
 from ..row_blocks import ROW_BLOCKS_KEY, from_checkpoint, row_blocks_mismatch
@@ -82,6 +83,9 @@ def _check_versions(saved_groups: list[Mapping]) -> None:
             )
 
 
+LION_STATE_KEYS_SET = frozenset(LION_STATE_KEYS)
+
+
 def _check_groups(saved_groups: list[Mapping], live_groups: list[Mapping]) -> dict[Any, tuple]:
     """The groups match; returns ``{saved param id: (live param, name, use_muon, normuon, transposed)}``."""
     if len(saved_groups) != len(live_groups):
@@ -90,17 +94,22 @@ def _check_groups(saved_groups: list[Mapping], live_groups: list[Mapping]) -> di
             f"{len(live_groups)}; build the optimizer with the same param groups, in the same order, as the "
             "run that saved it."
         )
-    owners: dict[Any, tuple[torch.Tensor, str, bool, bool, bool]] = {}
+    owners: dict[Any, tuple[torch.Tensor, str, bool, bool, bool, bool]] = {}
     for gi, (saved, live) in enumerate(zip(saved_groups, live_groups)):
         names = _check_group(gi, saved, live)
         for pid, p, name in zip(saved["params"], live["params"], names):
             transposed = live["use_muon"] and transposed_for(live.get(TRANSPOSED_KEY), name)
-            owners[pid] = (p, name, live["use_muon"], normuon_on(saved), transposed)
+            owners[pid] = (p, name, live["use_muon"], normuon_on(saved), transposed, live.get("algorithm") == "lion")
     return owners
 
 
 def _check_group(gi: int, saved: Mapping, live: Mapping) -> list[str]:
     """One group's kind, names, size and row blocks; returns the live parameters' names."""
+    algorithms = (saved.get("algorithm", "adamw"), live.get("algorithm", "adamw"))
+    if not live["use_muon"] and algorithms[0] != algorithms[1]:
+        raise ValueError(f"Muon.load_state_dict: the checkpoint's {_group_label(saved, gi)} ran algorithm="
+                         f"{algorithms[0]!r} but this optimizer's runs {algorithms[1]!r}; set the group's `algorithm` "
+                         "as in the run that saved it.")
     if saved.get("use_muon") != live["use_muon"]:
         raise ValueError(
             f"Muon.load_state_dict: the checkpoint's {_group_label(saved, gi)} has use_muon="
@@ -137,8 +146,9 @@ def _check_group(gi: int, saved: Mapping, live: Mapping) -> list[str]:
 
 
 def _check_param_state(entry: Any, p: torch.Tensor, name: str, use_muon: bool, normuon: bool = False,
-                       transposed: bool = False) -> None:
-    expected = (NORMUON_STATE_KEYS if normuon else MUON_STATE_KEYS) if use_muon else ADAMW_STATE_KEYS_SET
+                       transposed: bool = False, lion: bool = False) -> None:
+    elementwise = LION_STATE_KEYS_SET if lion else ADAMW_STATE_KEYS_SET
+    expected = (NORMUON_STATE_KEYS if normuon else MUON_STATE_KEYS) if use_muon else elementwise
     if not isinstance(entry, Mapping) or set(entry) != expected:
         got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
         if use_muon and isinstance(entry, Mapping) and set(entry) ^ expected == {ROW_STATE_KEY}:
@@ -150,7 +160,7 @@ def _check_param_state(entry: Any, p: torch.Tensor, name: str, use_muon: bool, n
             )
         raise ValueError(
             f"Muon.load_state_dict: the checkpoint's state for '{name}' has {got}, but a "
-            f"{'Muon' if use_muon else 'AdamW'} parameter's state is {sorted(expected)} (layout version "
+            f"{'Muon' if use_muon else 'Lion' if lion else 'AdamW'} parameter's state is {sorted(expected)} (layout version "
             f"{LAYOUT_VERSION}); the checkpoint was written by another optimizer or layout. " + _FRESH_START
         )
     for key, value in entry.items():

@@ -21,6 +21,7 @@ def adjust_lr(lr: float, shape: Sequence[int], mode: str | None) -> float:
       sqrt(max(A, B))`` gives the orthogonalised update the RMS of a typical AdamW update, so
       AdamW's lr and weight decay carry over.
     - ``"original"`` (Keller Jordan): ``lr * sqrt(max(1, A / B))``.
+    - ``"spectral_norm"`` (dion's Dion2 default): ``lr * sqrt(A / B)`` (no ``max(1, .)``).
     - ``None`` / ``"none"``: ``lr`` unchanged. (torch.optim.Muon reads ``None`` as "original".)
     """
     if len(shape) < 2:
@@ -30,11 +31,11 @@ def adjust_lr(lr: float, shape: Sequence[int], mode: str | None) -> float:
         return lr * 0.2 * math.sqrt(max(A, B))
     if mode == "original":
         return lr * math.sqrt(max(1.0, A / B))
+    if mode == "spectral_norm":
+        return lr * math.sqrt(A / B)
     if mode is None or mode == "none":
         return lr
-    raise ValueError(
-        f"adjust_lr: unknown mode {mode!r}; use 'match_rms_adamw', 'original' or None"
-    )
+    raise ValueError(f"adjust_lr: unknown mode {mode!r}; use 'match_rms_adamw', 'original', 'spectral_norm' or None")
 
 
 def momentum_(bufs: list[Tensor], grads: list[Tensor], momentum: float, maximize: bool = False,

@@ -5,7 +5,8 @@ Two kinds of options:
 * **optimizer options**, one value per optimizer: the fields of :class:`MuonSettings`, a frozen
   dataclass (how Newton–Schulz runs, how a step is distributed, QK-clip);
 * **group options**, one value per param group: :data:`GROUP_OPTIONS` (the hyper-parameters a
-  scheduler or a user may set per group: lr, momentum, ...).  The constructor keyword of the same
+  scheduler or a user may set per group: lr, momentum, ...), each declared for the kinds of group
+  it applies to (:data:`KINDS`: Muon, Dion2, AdamW, Lion; ``groups.kind_of``).  The constructor keyword of the same
   name (or the declared ``keyword``) is the default for groups that do not set it.
 
 Everything else is derived from these declarations: the constructor's keywords, their defaults
@@ -27,15 +28,18 @@ from .checks import check_number, dtype_of
 from .comparison import rank_independent_repr, snapshot
 from .constructor import (TORCH_STYLE, constructor_doc, constructor_keywords, constructor_signature, from_constructor,
                           from_legacy, torch_defaults)
-from .declarations import (ADAMW, ADJUST_LR_FN_MODES, ADJUST_LR_MODES, BOTH, GROUP_OPTIONS, KINDS, MUON, TORCH_POSITIONAL,
-                           Declared, GroupOption, MuonSettings, adjust_lr_from_fn, options_of, resolve_adjust_lr_fn)
-from .groups import check_group, fill_group, held_options, is_default, kind_of, normalize_group
+from .declarations import (ADAMW, ADJUST_LR_FN_MODES, ADJUST_LR_MODES, ALL, DION2, ELEMENTWISE_KINDS, GROUP_OPTIONS, KINDS,
+                           LION, MATRIX_KINDS, MUON, TORCH_POSITIONAL, Declared, GroupOption, MuonSettings,
+                           adjust_lr_from_fn, options_of, resolve_adjust_lr_fn)
+from .groups import (KIND_NAMES, check_group, fill_group, held_options, is_default, kind_of, normalize_group,
+                     strip_torch_defaults)
 from .records import digest, record, settings_key
 
 __all__ = [
-    "ADAMW", "ADJUST_LR_FN_MODES", "ADJUST_LR_MODES", "BOTH", "GROUP_OPTIONS", "KINDS", "MUON", "TORCH_POSITIONAL",
-    "TORCH_STYLE", "Declared", "GroupOption", "MuonSettings", "adjust_lr_from_fn", "check_group", "check_number",
-    "constructor_doc", "constructor_keywords", "constructor_signature", "digest", "dtype_of", "fill_group",
-    "from_constructor", "from_legacy", "held_options", "is_default", "kind_of", "normalize_group", "options_of",
-    "rank_independent_repr", "record", "resolve_adjust_lr_fn", "settings_key", "snapshot", "torch_defaults",
+    "ADAMW", "ADJUST_LR_FN_MODES", "ADJUST_LR_MODES", "ALL", "DION2", "ELEMENTWISE_KINDS", "GROUP_OPTIONS", "KINDS",
+    "KIND_NAMES", "LION", "MATRIX_KINDS", "MUON", "TORCH_POSITIONAL", "TORCH_STYLE", "Declared", "GroupOption",
+    "MuonSettings", "adjust_lr_from_fn", "check_group", "check_number", "constructor_doc", "constructor_keywords",
+    "constructor_signature", "digest", "dtype_of", "fill_group", "from_constructor", "from_legacy", "held_options",
+    "is_default", "kind_of", "normalize_group", "options_of", "rank_independent_repr", "record",
+    "resolve_adjust_lr_fn", "settings_key", "snapshot", "strip_torch_defaults", "torch_defaults",
 ]

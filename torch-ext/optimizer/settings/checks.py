@@ -145,6 +145,22 @@ def _normuon_beta2(value, where, context) -> None:
         raise ValueError(f"Muon: `{where}` must be None (Muon) or a number in [0, 1) (NorMuon's beta2), got {value!r}")
 
 
+def check_fraction(value, where: str, context=None) -> None:
+    """``dion2_fraction`` / dion's ``fraction``: None (Muon) or a number in (0, 1]."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"Muon: `{where}` must be None (Muon) or a number in (0, 1] (the fraction of each "
+                         f"matrix's rows or columns Dion2 orthogonalises), got {value!r}")
+
+
+def check_ef_decay(value, where: str, context=None) -> None:
+    """``dion2_ef_decay`` / dion's ``ef_decay`` (NorDion2's ``mu``): a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"Muon: `{where}` must be a finite number >= 0 (the factor on the chosen slices' "
+                         f"momentum after each step), got {value!r}")
+
+
 def _qk_clip(value, where, context) -> None:
     if value is not None and not isinstance(value, QKClipConfig):
         raise ValueError(f"Muon: `{where}` must be an optimizer.QKClipConfig or None, got {type(value).__name__}")

@@ -9,7 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from . import declarations
-from .declarations import KINDS, MUON, TORCH_POSITIONAL, resolve_adjust_lr_fn
+from .declarations import KINDS, MATRIX_KINDS, MUON, TORCH_POSITIONAL, resolve_adjust_lr_fn
 
 
 def constructor_keywords() -> dict[str, Any]:
@@ -67,6 +67,7 @@ def from_constructor(args: Sequence[Any], options: Mapping[str, Any]) -> tuple[d
             raise TypeError(f"Muon.__init__() got multiple values for argument {k!r}")
         given[k] = v
     resolve_adjust_lr_fn(given, "")
+    _refuse_momentum_with_dion2(given)
     values = {**known, **given}
     settings = declarations.MuonSettings(**{f.name: values[f.name] for f in fields(declarations.MuonSettings)})
     defaults: dict[str, dict[str, Any]] = {kind: {} for kind in (*KINDS, TORCH_STYLE)}
@@ -79,17 +80,38 @@ def from_constructor(args: Sequence[Any], options: Mapping[str, Any]) -> tuple[d
             value = o.normalize(value)
         for kind in o.kinds:
             defaults[kind][o.name] = value
-        if MUON in o.kinds:
+        if any(kind in o.kinds for kind in MATRIX_KINDS):
             torch_style = o.has_torch_default and o.ctor_keyword not in given
             defaults[TORCH_STYLE][o.name] = o.torch_default if torch_style else value
     return settings, defaults
 
 
+def _refuse_momentum_with_dion2(given: Mapping[str, Any]) -> None:
+    """``momentum``/``nesterov`` passed with ``dion2_fraction``: the groups that take the fraction
+    are Dion2 groups, which have no momentum coefficient (``groups.NOT_IN_DION2``)."""
+    if given.get("dion2_fraction") is None:
+        return
+    for key in ("momentum", "nesterov"):
+        if key in given:
+            raise ValueError(
+                f"Muon: `{key}` was passed with dion2_fraction={given['dion2_fraction']!r}, but Dion2 groups have no "
+                "momentum coefficient (their momentum is the sum M + G, the chosen slices decayed by dion2_ef_decay). "
+                f"Remove `{key}`; Muon groups (dion2_fraction=None in the group) then take the default 0.95/True")
+
+
 def torch_defaults(group_defaults: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """What torch's ``Optimizer`` keeps as ``defaults`` (and fills into every group): every
-    constructor-set option (Muon groups' value where a name is declared for both kinds)."""
+    constructor-set option (Muon groups' value where a name is declared for several kinds).  When
+    the constructor makes every ``use_muon`` group Dion2 (``dion2_fraction`` set), Muon's own
+    options (``momentum``, ``nesterov``) are not among them: schedulers that cycle ``momentum``
+    then refuse the optimizer at construction, as they refuse dion's, instead of writing a
+    momentum no group has (a Muon group that sets dion2_fraction=None still gets them: its kind's
+    defaults)."""
+    dion2_everywhere = group_defaults[MUON].get("dion2_fraction") is not None
     out: dict[str, Any] = {}
     for o in declarations.GROUP_OPTIONS:
+        if dion2_everywhere and o.kinds == (MUON,):
+            continue
         if o.constructor and o.in_torch_defaults and not o.optional and o.name not in out:
             out[o.name] = group_defaults[o.kinds[0]][o.name]
     return out

@@ -14,11 +14,16 @@ from ..qk_clip import QKClipConfig
 from ..row_blocks import ROW_BLOCKS_KEY
 from .checks import (_betas, _boolean, _compute_dtype, _int_at_least, _lr, _momentum_dtype, _non_negative, _normuon_beta2,
                      _ns_coefficients, _ns_kernels, _ns_method, _one_of, _optional_non_negative, _positive, _qk_clip,
-                     _row_blocks, _transposed, _unit_interval, dtype_of)
+                     _row_blocks, _transposed, _unit_interval, check_ef_decay, check_fraction, dtype_of)
 from .comparison import _qk_clip_repr, rank_independent_repr
 
-MUON, ADAMW = "muon", "adamw"
-KINDS = (MUON, ADAMW)
+# The kinds of param group.  ``use_muon=True`` groups hold matrices: Muon, or Dion2 when they set
+# ``dion2_fraction``; ``use_muon=False`` groups are elementwise: AdamW, or Lion when they set
+# ``algorithm="lion"`` (``groups.kind_of``).
+MUON, DION2, ADAMW, LION = "muon", "dion2", "adamw", "lion"
+KINDS = (MUON, DION2, ADAMW, LION)
+MATRIX_KINDS = (MUON, DION2)  # use_muon=True
+ELEMENTWISE_KINDS = (ADAMW, LION)  # use_muon=False
 
 
 @dataclass(frozen=True)
@@ -109,66 +114,85 @@ class GroupOption:
         return self.keyword or self.name
 
 
-BOTH = (MUON, ADAMW)
-ADJUST_LR_MODES = ("match_rms_adamw", "original", "none", None)
+ALL = KINDS
+MATRIX = MATRIX_KINDS
+ADJUST_LR_MODES = ("match_rms_adamw", "original", "spectral_norm", "none", None)
+ALGORITHMS = ("adamw", "lion")  # what a use_muon=False group runs
 
 GROUP_OPTIONS: tuple[GroupOption, ...] = (
-    GroupOption("lr", BOTH, 1e-3, "learning rate (a float or a 1-element tensor)", _lr),
-    GroupOption("weight_decay", BOTH, 0.1, "decoupled weight decay: p *= 1 - lr * weight_decay", _non_negative),
+    GroupOption("lr", ALL, 1e-3, "learning rate (a float or a 1-element tensor)", _lr),
+    GroupOption("weight_decay", ALL, 0.1, "decoupled weight decay: p *= 1 - lr * weight_decay", _non_negative),
     GroupOption("momentum", (MUON,), 0.95, "Muon momentum: buf.lerp_(grad, 1 - momentum)", _unit_interval),
     GroupOption("nesterov", (MUON,), True, "orthogonalise grad.lerp(buf, momentum) instead of buf", _boolean),
-    GroupOption("ns_steps", (MUON,), 5, "Newton–Schulz iterations", _int_at_least(1, high=100), shapes_plan=True),
-    GroupOption("ns_coefficients", (MUON,), "fixed",
+    GroupOption("ns_steps", MATRIX, 5, "Newton–Schulz iterations", _int_at_least(1, high=100), shapes_plan=True),
+    GroupOption("ns_coefficients", MATRIX, "fixed",
                 "'fixed' (3.4445, -4.7750, 2.0315), 'polar_express', a triple, or one triple per step",
                 _ns_coefficients, shapes_plan=True),
-    GroupOption("ns_method", (MUON,), "auto", "'auto' (fewer FLOPs per shape and dtype), 'classic' or 'gram'",
+    GroupOption("ns_method", MATRIX, "auto", "'auto' (fewer FLOPs per shape and dtype), 'classic' or 'gram'",
                 _ns_method, shapes_plan=True),
-    GroupOption("ns_kernels", (MUON,), "auto",
+    GroupOption("ns_kernels", MATRIX, "auto",
                 "what runs Newton–Schulz's products and the fused elementwise stages around them (momentum, "
                 "Nesterov input, weight decay with the update, docs/kernels.md): 'auto' the Triton kernels (one "
                 "triangle of every symmetric product, fused epilogues, one pass per elementwise stage) on CUDA GPUs "
                 "they support and torch elsewhere, 'torch' torch's matmuls and elementwise ops, 'triton' the kernels "
                 "(on CPU only under TRITON_INTERPRET=1); a matrix cut by ns_split runs its products on the same choice",
                 _ns_kernels, shapes_plan=True, optional=True, kept_on_load=True),
-    GroupOption("eps", (MUON,), 1e-7, "Newton–Schulz normalisation epsilon: X / max(||X||_F, eps), in fp32 "
+    GroupOption("eps", MATRIX, 1e-7, "Newton–Schulz normalisation epsilon: X / max(||X||_F, eps), in fp32 "
                 "(torch.optim.Muon's eps)", _positive),
-    GroupOption("ns_split", (MUON,), "auto",
+    GroupOption("ns_split", MATRIX, "auto",
                 "Newton–Schulz of one matrix split over several ranks of its shard group: 'auto' where the cost "
                 "model says it lowers the busiest rank, 'always' every matrix whose short side has at least as "
                 "many rows as the shard group has ranks (over the whole shard group), 'never'",
                 _one_of("auto", "never", "always"), shapes_plan=True, optional=True),
-    GroupOption("adjust_lr", (MUON,), "match_rms_adamw",
-                "'match_rms_adamw': 0.2 sqrt(max(A, B)); 'original': sqrt(max(1, A/B)); None: none. "
+    GroupOption("adjust_lr", MATRIX, "match_rms_adamw",
+                "'match_rms_adamw': 0.2 sqrt(max(A, B)); 'original': sqrt(max(1, A/B)); 'spectral_norm': sqrt(A/B) "
+                "(dion's default for Dion2; no max(1, .)); None: none. "
                 "torch-style calls default to 'original', as torch.optim.Muon",
                 _one_of(*ADJUST_LR_MODES), torch_default="original", has_torch_default=True),
     GroupOption("eps", (ADAMW,), 1e-8, "AdamW's epsilon", _positive, keyword="adamw_eps", in_torch_defaults=False),
     GroupOption("betas", (ADAMW,), (0.9, 0.95), "AdamW's (beta1, beta2)", _betas, keyword="adamw_betas",
                 in_torch_defaults=False),
-    GroupOption("maximize", BOTH, False, "maximise the objective (the gradient's sign flips)", _boolean),
-    GroupOption(ROW_BLOCKS_KEY, (MUON,), None,
+    GroupOption("betas", (LION,), (0.9, 0.99),
+                "Lion's (beta1, beta2): the update sign(beta1 m + (1 - beta1) g), the momentum m <- beta2 m + "
+                "(1 - beta2) g", _betas, keyword="lion_betas", in_torch_defaults=False),
+    GroupOption("algorithm", ELEMENTWISE_KINDS, "adamw",
+                "what a use_muon=False group runs: 'adamw', or 'lion' (Lion as dion's scalar_opts.lion_update: "
+                "p <- p (1 - lr wd) - lr sign(beta1 m + (1 - beta1) g); lr never adjusted)",
+                _one_of(*ALGORITHMS), constructor=False, optional=True),
+    GroupOption("maximize", ALL, False, "maximise the objective (the gradient's sign flips)", _boolean),
+    GroupOption(ROW_BLOCKS_KEY, MATRIX, None,
                 "row blocks orthogonalised as separate matrices: one spec for the group or {param_name: spec}",
                 _row_blocks, shapes_plan=True, constructor=False),
-    GroupOption(TRANSPOSED_KEY, (MUON,), None,
+    GroupOption(TRANSPOSED_KEY, MATRIX, None,
                 "weights stored [in, out] (GPT-2's Conv1D): True for the group or {param_name: True}; Muon reads "
                 "them as [out, in] (lr adjustment, row statistics, QK-clip rows, row blocks)",
                 _transposed, shapes_plan=True, constructor=False),
-    GroupOption("normuon_beta2", (MUON,), None,
+    GroupOption("normuon_beta2", MATRIX, None,
                 "None: Muon; a number in [0, 1): NorMuon (arXiv 2510.05491), a per-row second moment "
                 "v <- beta2 v + (1 - beta2) mean(O*O, last dim) of the orthogonalised update O (per matrix, "
                 "per expert, per row block), O / (sqrt(v) + 1e-8) rescaled to ||O||_F", _normuon_beta2, shapes_plan=True,
                 optional=True),
-    GroupOption("cautious_wd", BOTH, False,
+    GroupOption("cautious_wd", ALL, False,
                 "cautious weight decay (arXiv 2510.12402): decay only where the parameter and its update "
                 "have the same sign, p -= lr * wd * p * [p * update >= 0]", _boolean, optional=True),
-    GroupOption("momentum_dtype", (MUON,), None,
+    GroupOption("momentum_dtype", MATRIX, None,
                 "dtype of the Muon momentum buffer (None: the parameter's; torch.bfloat16 halves its "
                 "memory); the arithmetic is in the wider of it and the parameter's dtype",
                 _momentum_dtype, shapes_plan=True, normalize=dtype_of, optional=True, kept_on_load=True),
+    GroupOption("dion2_fraction", MATRIX, None,
+                "None: Muon; a number in (0, 1]: Dion2 (arXiv 2512.16928; NorDion2 with normuon_beta2): the "
+                "momentum is the sum m <- m + g, each step orthogonalises only the k = ceil(fraction s) rows or "
+                "columns (the shorter side; NorDion2: rows) of largest L1 norm, updates only those, and decays "
+                "their momentum by dion2_ef_decay (docs/dion2.md); plain tensors only for now",
+                check_fraction, shapes_plan=True, optional=True),
+    GroupOption("dion2_ef_decay", (DION2,), 0.95,
+                "Dion2's error feedback: the chosen slices' momentum is multiplied by it after each step, the "
+                "others keep accumulating", check_ef_decay, optional=True),
 )
 
 
 def options_of(kind: str) -> tuple[GroupOption, ...]:
-    """The group options of one kind of group ("muon" or "adamw")."""
+    """The group options of one kind of group (:data:`KINDS`)."""
     return tuple(o for o in GROUP_OPTIONS if kind in o.kinds)
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..settings import MuonSettings, settings_key
 from ..checks import gradient_problem, param_problem
+from ..dion2_checks import dion2_errors, is_dion2
 from ..distributed import agreement, groups
 from ..matrix_view import LayoutCache
 from ..named_params import NamedParam
@@ -65,12 +66,15 @@ class StepContext:
         self.all_params = all_params
         self.errors: list[str] = []
         self._describe_dtensors(layouts)
-        self.muon = [e for e in all_params if e.use_muon and e.param.grad is not None]
+        stepped = [e for e in all_params if e.use_muon and e.param.grad is not None]
+        self.dion2 = [e for e in stepped if is_dion2(param_groups[e.group])]  # dion2_step.py, not the plan
+        self.muon = [e for e in stepped if not is_dion2(param_groups[e.group])]
         self.muon_groups = [param_groups[e.group] for e in self.muon]
         self.device = local_view(self.muon[0].param).device if self.muon else torch.device("cpu")
         self.row_blocks: list[RowBlocks | None] = [None] * len(self.muon)
         # what runs each Muon parameter's products and stages (newton_schulz/implementation.py)
         self.implementations: list[Implementation] = []
+        self.dion2_implementations: list[Implementation] = []  # the same for each Dion2 parameter
         self.head_map: HeadMap | None = None
         self.plan = StepPlan()
         self._layouts = layouts
@@ -82,10 +86,13 @@ class StepContext:
         self.errors += [problem for e in all_params if (problem := param_problem(e.name, e.param))]
         self.errors += [problem for e in all_params if (problem := implementations.param_problem(
             e.name, e.param, param_groups[e.group], settings.compute_dtype))]
+        self.errors += dion2_errors(self.dion2, param_groups, settings)
         if self.errors:
             return
         self.implementations = [implementations.for_param(e.param, group, settings.compute_dtype)
                                 for e, group in zip(self.muon, self.muon_groups)]
+        self.dion2_implementations = [implementations.for_param(e.param, param_groups[e.group], settings.compute_dtype)
+                                      for e in self.dion2]
         if settings.qk_clip is not None:
             try:
                 self.head_map = build_head_map(settings.qk_clip, qk_params(all_params))
@@ -158,7 +165,7 @@ class StepContext:
                                         {e.name: e.param.grad is not None for e in self.muon})
             errors += qk_errors
         nothing = torch.zeros((), dtype=torch.int64)
-        grads = [local_view(e.param.grad) for e in self.muon]
+        grads = [local_view(e.param.grad) for e in (*self.muon, *self.dion2)]
         return LocalFacts(
             errors=errors, missing_groups=self.missing_groups, closure_error=closure_error, qk_logits=qk_logits,
             clip=clip,
