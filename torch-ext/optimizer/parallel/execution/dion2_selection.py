@@ -130,7 +130,7 @@ def _cat(parts: list[Tensor], dtype, device) -> Tensor:
 
 def _send_norms(plan: ExchangePlan, partials: list[Tensor], group, like: Tensor):
     """Step 2's send: this member's partials, by destination (owner), units in plan order."""
-    parts = [partials[i] for j in range(plan.members) for i, u in enumerate(plan.units) if u.owner == j]
+    parts = [partials[i] for i in plan.by_owner]
     send = _cat(parts, NORM_DTYPE, like.device)
     return _exchange(send, plan.norm_recv, plan.norm_send, group, like)
 
@@ -160,12 +160,11 @@ def _unpack_masks(plan: ExchangePlan, recv: Tensor, locals_: Sequence[Tensor]) -
     """Step 4's receive: this member's mask of every unit, shaped ``[*local leading, count]``."""
     out: list[Tensor | None] = [None] * len(plan.units)
     at = 0
-    for j in range(plan.members):  # by source (owner), its units in plan order
-        for u in plan.units_of(j):
-            n = u.values(plan.me)
-            lead = locals_[u.param].shape[:-2]
-            out[u.param] = recv[at:at + n].view(*lead, u.maps[plan.me].count).bool()
-            at += n
+    for i in plan.by_owner:  # by source (owner), its units in plan order
+        u = plan.units[i]
+        n = u.values(plan.me)
+        out[i] = recv[at:at + n].view(*locals_[i].shape[:-2], u.maps[plan.me].count).bool()
+        at += n
     return out
 
 

@@ -99,22 +99,21 @@ class UnitExchange:
 class ExchangePlan:
     """The selection's two ``all_to_all_single`` in one shard group, from member ``me``'s side.
 
-    Send order: by destination member, and for one destination its units in ``units`` order.
-    ``norm_send[j]``: the fp64 partial norms ``me`` sends member ``j`` (its pieces of the units
-    ``j`` owns); ``norm_recv[j]``: what ``me`` receives from ``j`` (``j``'s pieces of the units
-    ``me`` owns).  The masks travel back with the two lists swapped."""
+    Send order: by destination member, and for one destination its units in ``units`` order
+    (``by_owner``: the units' positions in that order, so a step walks each unit once, never
+    members x units).  ``norm_send[j]``: the fp64 partial norms ``me`` sends member ``j`` (its
+    pieces of the units ``j`` owns); ``norm_recv[j]``: what ``me`` receives from ``j`` (``j``'s
+    pieces of the units ``me`` owns).  The masks travel back with the two lists swapped."""
 
     members: int
     me: int
     units: tuple[UnitExchange, ...]
     norm_send: tuple[int, ...]
     norm_recv: tuple[int, ...]
+    by_owner: tuple[int, ...]
 
     def owned(self) -> list[UnitExchange]:
         return [u for u in self.units if u.owner == self.me]
-
-    def units_of(self, owner: int) -> list[UnitExchange]:
-        return [u for u in self.units if u.owner == owner]
 
     def wire_bytes(self, norm_itemsize: int = 8, mask_itemsize: int = 1) -> int:
         """What ``me`` sends to the other members per step: its partial norms, and as an owner the
@@ -139,8 +138,13 @@ def exchange_plan(params: Sequence[tuple[Sequence[int], Sequence[Placement]]], m
     it).  ``owners``: each parameter's owner position (default :func:`assign_selection_owners`)."""
     if not 0 <= me < len(member_coordinates):
         raise ValueError(f"exchange_plan: member {me} outside a shard group of {len(member_coordinates)}")
-    maps = [tuple(slice_map(shape, mesh_shape, pl, c, fraction, rows_only) for c in member_coordinates)
-            for shape, pl in params]
+    cache: dict[tuple, tuple[SliceMap, ...]] = {}
+    maps = []
+    for shape, pl in params:
+        key = (tuple(shape), tuple(pl))
+        if key not in cache:
+            cache[key] = tuple(slice_map(shape, mesh_shape, pl, c, fraction, rows_only) for c in member_coordinates)
+        maps.append(cache[key])
     for i, per_member in enumerate(maps):
         if len({m.batch for m in per_member}) != 1:
             raise ValueError(f"exchange_plan: parameter {i}'s members hold different numbers of matrices "
@@ -149,6 +153,11 @@ def exchange_plan(params: Sequence[tuple[Sequence[int], Sequence[Placement]]], m
         owners = assign_selection_owners([m[0].batch * m[0].size for m in maps], len(member_coordinates))
     units = tuple(UnitExchange(i, int(o), m) for i, (o, m) in enumerate(zip(owners, maps)))
     size = len(member_coordinates)
-    send = tuple(sum(u.values(me) for u in units if u.owner == j) for j in range(size))
-    recv = tuple(sum(u.values(j) for u in units if u.owner == me) for j in range(size))
-    return ExchangePlan(size, me, units, send, recv)
+    send, recv = [0] * size, [0] * size
+    for u in units:
+        send[u.owner] += u.values(me)
+        if u.owner == me:
+            for j in range(size):
+                recv[j] += u.values(j)
+    by_owner = tuple(sorted(range(len(units)), key=lambda i: (units[i].owner, i)))
+    return ExchangePlan(size, me, units, tuple(send), tuple(recv), by_owner)
