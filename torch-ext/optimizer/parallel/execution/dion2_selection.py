@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ...dion2_rule import NORM_DTYPE, choose, partial_slice_norms
+from ...dion2_rule import NORM_DTYPE, check_fraction, check_matrix, choose, partial_slice_norms
 from ...distributed.groups import create_collectively, group_for, rank_sets_needed
 from ...distributed.layout import MeshGrid, ParamLayout
 from ..planning.dion2_selection import ExchangePlan, SliceMap, UnitExchange, exchange_plan
@@ -52,6 +52,7 @@ class SelectionPlan:
 
     patterns: list[SelectionPattern]
     maps: list[SliceMap]  # this rank's slice map of every parameter
+    specs: list[tuple]  # every parameter's (global shape, placements), as planned
     _devices: dict = field(default_factory=dict)  # (device, id of an index) -> the index there
 
     def on(self, index, device: torch.device):
@@ -84,7 +85,9 @@ class LocalSelection:
 def plan_selection(momenta: Sequence[DTensor], fraction: float, rows_only: bool = False) -> SelectionPlan:
     """Plan the selection of ``momenta`` (DTensors, every rank passing the same list in the same
     order).  Collective over the default group: creates the shard groups that span several mesh
-    dims (``distributed.groups.create_collectively``)."""
+    dims (``distributed.groups.create_collectively``).  Bad input is refused before that, alike on
+    every rank (it depends only on what every rank passes)."""
+    _check_momenta(momenta, fraction)
     layouts = [ParamLayout(tuple(m.shape), MeshGrid.of(m.device_mesh), tuple(m.placements)) for m in momenta]
     union = sorted({r for lay in layouts for r in lay.grid.ranks})
     create_collectively(rank_sets_needed([(lay, m.device_mesh) for lay, m in zip(layouts, momenta)], union))
@@ -103,7 +106,22 @@ def plan_selection(momenta: Sequence[DTensor], fraction: float, rows_only: bool 
         for u in plan.units:
             maps[members[u.param]] = u.maps[plan.me]
         patterns.append(SelectionPattern(group, plan, tuple(members)))
-    return SelectionPlan(patterns, maps)
+    return SelectionPlan(patterns, maps, [(lay.shape, lay.placements) for lay in layouts])
+
+
+def _check_momenta(momenta: Sequence[DTensor], fraction: float) -> None:
+    if fraction is None:
+        raise ValueError("plan_selection: `fraction` is None (that is Muon: nothing to select); give a number in (0, 1]")
+    check_fraction(fraction, "fraction")
+    rank = dist.get_rank()
+    for i, m in enumerate(momenta):
+        if not isinstance(m, DTensor):
+            raise TypeError(f"plan_selection: momenta[{i}] is a {type(m).__name__}, not a DTensor: a tensor held "
+                            "whole selects on its own (dion2_rule.choose_slices)")
+        check_matrix(f"momenta[{i}]", tuple(m.shape))
+        if rank not in MeshGrid.of(m.device_mesh).ranks:
+            raise ValueError(f"plan_selection: rank {rank} is not in momenta[{i}]'s mesh: pass each rank only the "
+                             "momenta of the meshes it belongs to")
 
 
 def _partials(plan: ExchangePlan, locals_: Sequence[Tensor]) -> list[Tensor]:
@@ -190,6 +208,10 @@ def select_slices(sel: SelectionPlan, momenta: Sequence[DTensor]) -> list[LocalS
     norm exchange is in flight before any owner chooses."""
     if len(momenta) != len(sel.maps):
         raise ValueError(f"select_slices: planned for {len(sel.maps)} momenta, got {len(momenta)}")
+    for i, (m, (shape, placements)) in enumerate(zip(momenta, sel.specs)):
+        if tuple(m.shape) != shape or tuple(m.placements) != placements:
+            raise ValueError(f"select_slices: momenta[{i}] is {tuple(m.shape)} {tuple(m.placements)}, planned as "
+                             f"{shape} {placements}: plan again (plan_selection) after a reshard")
     pending = []
     for pattern in sel.patterns:
         locals_ = [momenta[i].to_local() for i in pattern.params]
