@@ -77,19 +77,26 @@ def make_full(shape, kind: str, seed: int, dim_of) -> torch.Tensor:
     return moved.movedim(-1, dim).contiguous()
 
 
-def reference_chosen(full: torch.Tensor, fraction: float, rows_only: bool) -> tuple[int, list[list[int]]]:
-    """The selection dim and, per matrix of the stack (row-major), the chosen global indices, from
-    the formulas; refuses inputs whose k-th and (k+1)-th norms are near-tied but not equal."""
+def reference_norms(full: torch.Tensor, rows_only: bool) -> tuple[int, list[list[float]]]:
+    """The selection dim and, per matrix of the stack (row-major), the exact L1 norms of its
+    slices (``math.fsum``), from the formulas."""
     dim = ref.selection_dim(full.shape, rows_only)
-    k = ref.chosen_count(fraction, full.shape[dim])
     m, n = full.shape[-2:]
+    return dim, [ref.slice_norms(mat, dim) for mat in full.double().reshape(-1, m, n)]
+
+
+def reference_chosen(norms: tuple[int, list[list[float]]], shape, fraction: float) -> tuple[int, list[list[int]]]:
+    """The dim and, per matrix, the chosen global indices (larger norm first, equal norms lower
+    index first); refuses inputs whose k-th and (k+1)-th norms are near-tied but not equal."""
+    dim, per_matrix = norms
+    k = ref.chosen_count(fraction, shape[dim])
     chosen = []
-    for mat in full.double().reshape(-1, m, n):
-        norms = ref.slice_norms(mat, dim)
-        ranked = sorted(norms, reverse=True)
+    for mat_norms in per_matrix:
+        ranked = sorted(mat_norms, reverse=True)
         if 0 < k < len(ranked) and ranked[k - 1] != ranked[k]:
-            assert ranked[k - 1] - ranked[k] > 4 * gamma(max(m, n), torch.float64) * ranked[k - 1], "near-tie"
-        chosen.append(ref.choose(norms, k))
+            bound = 4 * gamma(max(shape[-2:]), torch.float64) * ranked[k - 1]
+            assert ranked[k - 1] - ranked[k] > bound, "near-tie"
+        chosen.append(ref.choose(mat_norms, k))
     return dim, chosen
 
 
@@ -122,10 +129,10 @@ def _flat_leading(lead: list[list[int]], shape) -> list[int]:
     return flat
 
 
-def check_selection(sel, smap, full, fraction, rows_only, where: str) -> list[int]:
-    """(b): the rank's mask, counts and (on the owner) chosen indices against the reference.
-    Returns the expected count per local matrix."""
-    dim, chosen = reference_chosen(full, fraction, rows_only)
+def check_selection(sel, smap, full, fraction, norms, where: str) -> list[int]:
+    """(b): the rank's mask, counts and (on the owner) chosen indices against the reference
+    (``norms``: :func:`reference_norms` of ``full``).  Returns the expected count per local matrix."""
+    dim, chosen = reference_chosen(norms, full.shape, fraction)
     assert smap.dim == dim, f"{where}: selection dim {smap.dim}, the global shape says {dim}"
     lead = [_as_list(ix) for ix in smap.indices[:-2]]
     flat_lead = _flat_leading(lead, full.shape[:-2])
@@ -164,17 +171,16 @@ class A2ABytes:
 def expected_bytes(momenta, sel_plan, owner_rank) -> int:
     """(d), world total: per unit, 8 bytes (fp64 partial) + 1 byte (mask) for each local slice of
     each local matrix of every member but the owner, in every shard group.  The members' local
-    slice counts come from DTensor's local shapes (all-gathered), not from the plan."""
-    total = 0
+    slice counts come from DTensor's local shapes (all-gathered, one collective), not from the plan."""
+    mine = torch.zeros(len(momenta), 2, dtype=torch.long)
     for i, m in enumerate(momenta):
-        dim = sel_plan.maps[i].dim  # checked against the global shape in check_selection
         local = m.to_local()
-        mine = math.prod(local.shape[:-2]) * local.shape[dim]
-        is_owner = owner_rank(i) == dist.get_rank()
-        counts = [None] * dist.get_world_size()
-        dist.all_gather_object(counts, (mine, is_owner))
-        total += 9 * sum(n for n, owner in counts if not owner)
-    return total
+        dim = sel_plan.maps[i].dim  # checked against the global shape in check_selection
+        mine[i, 0] = math.prod(local.shape[:-2]) * local.shape[dim]
+        mine[i, 1] = int(owner_rank(i) == dist.get_rank())
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return 9 * sum(int(t[i, 0]) for t in every for i in range(len(momenta)) if not t[i, 1])
 
 
 def run_layout(name, mesh_shape, placements, shapes, breaks=()):
@@ -194,6 +200,7 @@ def run_layout(name, mesh_shape, placements, shapes, breaks=()):
     seen = [full_of(m) for m in momenta]  # what DTensor reconstructs: the ground truth of (a)
     figures = {}
     for rows_only in (False, True):
+        norms = [reference_norms(full, rows_only) for full in fulls]
         for fraction in FRACTIONS:
             plan = plan_selection(momenta, fraction, rows_only)
             with A2ABytes() as wire, HostSyncs() as syncs:
@@ -208,7 +215,7 @@ def run_layout(name, mesh_shape, placements, shapes, breaks=()):
                 assert torch.equal(full, fulls[i]), f"{where}: full_tensor() is not the tensor sharded"
                 if fraction == FRACTIONS[0]:  # the maps depend on the dim, not on the fraction
                     check_indices(m.to_local(), full, plan.maps[i], where)
-                assert counts[i] == check_selection(sel, plan.maps[i], full, fraction, rows_only, where)
+                assert counts[i] == check_selection(sel, plan.maps[i], full, fraction, norms[i], where)
             figures[(fraction, rows_only)] = _bytes(name, momenta, plan, wire, unit_of)
     return figures
 
