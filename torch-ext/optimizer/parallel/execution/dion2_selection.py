@@ -134,9 +134,9 @@ def _partials(plan: ExchangePlan, locals_: Sequence[Tensor]) -> list[Tensor]:
 
 
 def _exchange(send: Tensor, recv_splits, send_splits, group, like: Tensor) -> tuple[Tensor, object]:
-    recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=like.device)
-    if group is None:
+    if group is None:  # a shard group of one: what it sends is what it receives
         return send, None
+    recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=like.device)
     work = dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=group, async_op=True)
     return recv, work
 
