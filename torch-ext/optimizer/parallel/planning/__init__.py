@@ -9,6 +9,7 @@
 - ``rank_view.py``      one rank's view of a pattern: groups, pieces, blocks, regions;
 - ``rank_chunk.py``     one rank's part of a chunk: packs, owned units, updates, offsets;
 - ``expert_moves.py``   experts held whole that move to less loaded ranks;
+- ``dion2_selection.py`` Dion2's selection: each member's slices by global index, owners, the exchange's sizes;
 - ``cut_geometry.py``   one unit cut over k ranks: which indices form each block;
 - ``cut_model.py``      which k a unit may take, on which groups, at what cost per member;
 - ``cut_choice.py``     which units are cut and who owns them; ``cut_packing.py``: two k's in one class;
