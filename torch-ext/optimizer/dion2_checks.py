@@ -1,8 +1,9 @@
 """Why a Dion2 group or parameter cannot be stepped, with errors that name the culprit and the fix.
 
 Checked when a group is added (``Muon._check_group``) and again at every step before anything
-changes (``step/context.py``, agreed by the ranks like every problem).  Dion2 runs on one device,
-on plain tensors, without row blocks, a split Newton–Schulz or QK-clip (``docs/dion2.md``)."""
+changes (``step/context.py``, agreed by the ranks like every problem).  Dion2 runs on plain tensors
+and DTensors (every placement), without row blocks, a split Newton–Schulz or QK-clip
+(``docs/dion2.md``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import torch
 from .named_params import NamedParam
 from .row_blocks import ROW_BLOCKS_KEY
 from .settings import DION2, MuonSettings, kind_of
-from .tensors import is_dtensor
 
 
 def is_dion2(group: Mapping) -> bool:
@@ -32,7 +32,7 @@ def dion2_group_problem(group: Mapping, where: str, settings: MuonSettings) -> s
                 "(dion2_fraction=None)")
     if group.get("ns_split") == "always":
         return (f"Muon: {where} sets `ns_split`='always' but is a Dion2 group ({name}): Dion2 orthogonalises each "
-                "chosen submatrix whole, on one device. Remove `ns_split` (or set 'never'/'auto')")
+                "chosen submatrix whole. Remove `ns_split` (or set 'never'/'auto')")
     if settings.qk_clip is not None:
         return (f"Muon: `qk_clip` is configured and {where} is a Dion2 group ({name}): QK-clip is not built for "
                 "Dion2 yet. Set qk_clip=None, or make this group a Muon group (dion2_fraction=None)")
@@ -41,7 +41,7 @@ def dion2_group_problem(group: Mapping, where: str, settings: MuonSettings) -> s
 
 def dion2_errors(entries: Sequence[NamedParam], groups: Sequence[Mapping], settings: MuonSettings) -> list[str]:
     """This rank's problems with the Dion2 parameters of a step (found before anything changes):
-    DTensors (made so after construction, accelerate's idiom) and what the groups ask for."""
+    a parameter that is no matrix, and what the groups ask for."""
     errors = []
     for e in entries:
         where = f"param_groups[{e.group}]"
@@ -53,13 +53,9 @@ def dion2_errors(entries: Sequence[NamedParam], groups: Sequence[Mapping], setti
 
 def dion2_param_problem(name: str, param: torch.Tensor, where: str) -> str | None:
     """Why a parameter of a Dion2 group (``where``) cannot be stepped, or None: Dion2 updates
-    matrices (``dion2_rule.check_matrix``), and runs on plain tensors for now."""
+    matrices (``dion2_rule.check_matrix``)."""
     if param.dim() < 2:
         return (f"Muon: parameter '{name}' has shape {tuple(param.shape)} but is in a Dion2 group ({where}); Dion2 "
                 "updates matrices [..., m, n] (2-D weights, 3-D expert stacks): put it in a group with "
                 "use_muon=False (dion's algorithm='adamw' or 'lion')")
-    if is_dtensor(param):
-        return (f"Muon: parameter '{name}' is a DTensor (placements {tuple(param.placements)}) in a Dion2 group "
-                f"({where}): Dion2 runs on plain tensors for now, and distributed Dion2 (every placement, the "
-                "exact selection) lands next. Until then put sharded matrices in a Muon group (dion2_fraction=None)")
     return None

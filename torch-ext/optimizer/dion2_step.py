@@ -1,9 +1,9 @@
-"""The Dion2 half of a step, on one device, for plain tensors.
+"""The Dion2 half of a step.
 
 Every parameter of a Dion2 group (a ``use_muon`` group with ``dion2_fraction``; NorDion2 with
-``normuon_beta2`` too) is stepped by ``dion2_rule.dion2_step_`` on the whole matrix it holds. A
-DTensor in a Dion2 group is refused at construction and at step (``dion2_checks.py``): the
-distributed selection (``docs/dion2.md``) is not built yet.
+``normuon_beta2`` too) held whole is stepped by ``dion2_rule.dion2_step_`` on the whole matrix it
+holds; a DTensor parameter by ``parallel/execution/dion2_step.py`` (the whole momentum gathered,
+every rank stepping its own piece exactly as one device steps the whole; ``docs/dion2.md``).
 
 What the step reads of a group is Muon's: the momentum buffer (``momentum_buffer``, in
 ``momentum_dtype``), NorMuon's ``normuon_v`` (``normuon_beta2``), ``lr`` and ``adjust_lr`` (of the
@@ -21,13 +21,16 @@ from collections.abc import Mapping, MutableMapping, Sequence
 import torch
 
 from . import dion2_rule
+from .checkpoint import MOMENTUM_KEY, ROW_STATE_KEY
 from .matrix_view import local_matrix
 from .named_params import NamedParam
 from .newton_schulz.group import NewtonSchulz  # Newton–Schulz's one entry point here
 from .newton_schulz.implementation import Implementation
 from .rule import adjust_lr, normuon_on, work_dtype
 from .settings import GROUP_OPTIONS, MuonSettings
+from .parallel.execution.dion2_step import dion2_dtensor_step_
 from .step.muon_update import momentum_buffers, row_states
+from .tensors import is_dtensor
 
 #: ``dion2_ef_decay``'s declared default (an optional option at its default is not held by a group).
 EF_DECAY_DEFAULT = next(o.default for o in GROUP_OPTIONS if o.name == "dion2_ef_decay")
@@ -45,21 +48,30 @@ def dion2_update(entries: Sequence[NamedParam], groups: Sequence[Mapping], imple
     bufs = momentum_buffers(params, groups, state)
     rows = row_states(params, groups, views, state)
     for e, group, implementation, buf, v in zip(entries, groups, implementations, bufs, rows):
-        _step_one(e, group, implementation, local_matrix(buf, e.transposed), v, settings)
+        options = _options(e, group, implementation, settings)
+        if is_dtensor(e.param):  # every rank of its mesh steps it here, in the agreed order
+            entry = state[e.param]
+            dion2_dtensor_step_(e.param, entry[MOMENTUM_KEY], entry.get(ROW_STATE_KEY) if v is not None else None,
+                                transposed=e.transposed, **options)
+        else:
+            _step_one(e, local_matrix(buf, e.transposed), v, options)
 
 
-def _step_one(e: NamedParam, group: Mapping, implementation: Implementation, buf: torch.Tensor,
-              v: torch.Tensor | None, settings: MuonSettings) -> None:
+def _options(e: NamedParam, group: Mapping, implementation: Implementation, settings: MuonSettings) -> dict:
+    """The rule's keywords for parameter ``e`` of ``group`` this step (the same for both paths)."""
     lr = group["lr"]
-    orthogonalize = NewtonSchulz(group["ns_steps"], group["ns_coefficients"], group.get("ns_method", "auto"),
-                                 group["eps"], settings.compute_dtype, implementation)
-    beta2 = group.get("normuon_beta2") if normuon_on(group) else None
-    _, v_new = dion2_rule.dion2_step_(
-        local_matrix(e.param, e.transposed), local_matrix(e.param.grad, e.transposed), buf,
+    return dict(
         fraction=group["dion2_fraction"], ef_decay=group.get("dion2_ef_decay", EF_DECAY_DEFAULT), lr=lr,
         adjusted=adjust_lr(lr, e.shape, group["adjust_lr"]), weight_decay=group["weight_decay"],
-        orthogonalize=orthogonalize, row_state=v, normuon_beta2=beta2,
+        orthogonalize=NewtonSchulz(group["ns_steps"], group["ns_coefficients"], group.get("ns_method", "auto"),
+                                   group["eps"], settings.compute_dtype, implementation),
+        normuon_beta2=group.get("normuon_beta2") if normuon_on(group) else None,
         cautious=bool(group.get("cautious_wd", False)), maximize=bool(group.get("maximize", False)),
         dtype=work_dtype(e.param, group))
+
+
+def _step_one(e: NamedParam, buf: torch.Tensor, v: torch.Tensor | None, options: dict) -> None:
+    _, v_new = dion2_rule.dion2_step_(local_matrix(e.param, e.transposed), local_matrix(e.param.grad, e.transposed),
+                                      buf, row_state=v, **options)
     if v is not None and v_new is not v:
         v.copy_(v_new)
