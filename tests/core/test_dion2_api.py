@@ -10,7 +10,7 @@
   ``add_param_group`` and ``step()`` (options written in place).
 * Lion groups (``algorithm="lion"``) against the formula written here, as dion's
   ``scalar_opts.lion_update`` defines it.
-* A DTensor in a Dion2 group is refused by name (distributed Dion2 is not built yet).
+* A DTensor in a Dion2 group is taken (its steps: ``tests/parallel/test_dion2_dtensor.py``).
 """
 
 from __future__ import annotations
@@ -399,17 +399,20 @@ def _dtensor_in_a_dion2_group(rank, world_size):
             out[name] = None
         except ValueError as err:
             out[name] = str(err)
-    # made a DTensor after construction (accelerate's FSDP2 idiom): refused at the step, nothing changed
+    # made a DTensor after construction (accelerate's FSDP2 idiom): steps as the same weight held whole
     late = Muon([{"params": [Parameter(torch.ones(8, 6))], "param_names": ["w"], "use_muon": True}],
                 dion2_fraction=0.25)
     late.param_groups[0]["params"][0] = w
-    w.grad = distribute_tensor(torch.ones(8, 6), mesh, [Shard(0)])
+    w.grad = distribute_tensor(torch.arange(48.0).reshape(8, 6), mesh, [Shard(0)])
+    whole = Parameter(torch.ones(8, 6))
+    whole.grad = torch.arange(48.0).reshape(8, 6)
+    Muon([{"params": [whole], "param_names": ["w"], "use_muon": True}], dion2_fraction=0.25).step()
     try:
         late.step()
         out["late"] = None
     except ValueError as err:
         out["late"] = str(err)
-    out["late unchanged"] = bool((w.full_tensor() == 1).all()) and not late.state
+    out["late as whole"] = bool(torch.equal(w.full_tensor(), whole.detach())) and not torch.equal(whole, torch.ones(8, 6))
     # a DTensor on a sub-mesh (this rank alone) does not hold distributed_mesh's ranks
     grid = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("a", "b"))
     alone = Parameter(distribute_tensor(torch.ones(6), grid["b"], [Shard(0)]))
@@ -426,11 +429,13 @@ def _dtensor_in_a_dion2_group(rank, world_size):
     return out
 
 
-def test_a_dtensor_in_a_dion2_group_is_refused_by_name():
+def test_a_dtensor_in_a_dion2_group_is_taken():
+    """Construction takes a DTensor in a Dion2 group (``tests/parallel/test_dion2_dtensor.py``
+    checks its steps on every layout); one swapped in after construction steps as the whole weight."""
     for out in run_ranks(_dtensor_in_a_dion2_group, 2, timeout=60):
         for name in ("muon", "dion2"):
-            assert out[name] is not None and "'w' is a DTensor" in out[name] and "Dion2" in out[name], out[name]
-        assert out["late"] is not None and "'w' is a DTensor" in out["late"] and out["late unchanged"], out["late"]
+            assert out[name] is None, out[name]
+        assert out["late"] is None and out["late as whole"], out["late"]
         assert out["sub-mesh"] is not None and "do not include distributed_mesh's [0, 1]" in out["sub-mesh"]
         # Lion with weight decay 0.01, lr 0.01: 1 * (1 - 1e-4) - 0.01 * sign(0.05 * 2)
         assert out["lion"] == pytest.approx([1 - 1e-4 - 0.01] * 6, abs=1e-7)

@@ -675,8 +675,8 @@ def test_every_group_option_passes_through_torchtitan_param_groups():
     from optimizer.settings import ADAMW, MUON, options_of
 
     # dion2_fraction makes a group Dion2 (no momentum/nesterov: not with the values below) and
-    # algorithm="lion" makes an AdamW group Lion: each runs through here as any option does, and
-    # Dion2 on torchtitan's DTensors waits for the distributed selection (issue 40's next phase)
+    # algorithm="lion" makes an AdamW group Lion: each runs through here as any option does; a
+    # Dion2 group refuses the `momentum`/`nesterov` values below, so dion2_fraction has no case here
     declared = {o.name for o in options_of(MUON)} - {ROW_BLOCKS_KEY, "dion2_fraction"}
     assert declared == set(MUON_GROUP_VALUES), "a new Muon group option needs a value in MUON_GROUP_VALUES"
     assert {o.name for o in options_of(ADAMW)} - {"algorithm"} == set(ADAMW_GROUP_VALUES)

@@ -29,8 +29,8 @@ def param_names_problem(group, where: str) -> str | None:
 
 
 def check_group_params(group: dict, names: list[str], where: str = "its group") -> None:
-    """Parameters a group cannot hold: complex tensors; non-matrices in a Muon or Dion2 group;
-    DTensors in a Dion2 group (:func:`dion2_param_problem`)."""
+    """Parameters a group cannot hold: complex tensors; non-matrices in a Muon or Dion2 group
+    (:func:`dion2_param_problem`)."""
     for name, p in zip(names, group["params"]):
         if p.is_complex():
             raise ValueError(f"Muon: parameter '{name}' is complex; Muon and its AdamW path support real tensors only")
