@@ -1,4 +1,4 @@
-"""The Dion2 half of a step.
+"""The Dion2 half of a step: tensors held whole by the rule, DTensors gathered (``parallel/execution/dion2_step.py``).
 
 Every parameter of a Dion2 group (a ``use_muon`` group with ``dion2_fraction``; NorDion2 with
 ``normuon_beta2`` too) held whole is stepped by ``dion2_rule.dion2_step_`` on the whole matrix it
