@@ -194,3 +194,40 @@ def test_bytes_against_muon():
         muon_total = 2 * entries * w * (world - 1) / world
         assert sum(got) / muon_total == pytest.approx(world / 2)
 
+
+
+def _mixed_rank(rank, world):
+    """A Muon group, a Dion2 group and an AdamW group of DTensors in one optimizer."""
+    from optimizer import Muon
+
+    mesh = init_device_mesh("cpu", (world,))
+    pls = [parse_placement("S0")]
+    shapes = {"muon": (12, 20), "dion2": (20, 12), "adamw": (10,)}
+    make = lambda dt: {k: Parameter(make_dtensor(_full(s, i), mesh, pls) if dt else _full(s, i))  # noqa: E731
+                       for i, (k, s) in enumerate(shapes.items())}
+    mixed, alone, whole = make(True), make(True), make(False)
+    groups = lambda ps: [{"params": [ps["muon"]], "use_muon": True},  # noqa: E731
+                         {"params": [ps["dion2"]], "use_muon": True, "dion2_fraction": 0.25},
+                         {"params": [ps["adamw"]], "use_muon": False}]
+    opt = Muon(groups(mixed), lr=0.05, weight_decay=0.1)
+    muon_only = Muon([{"params": [alone["muon"]], "use_muon": True}], lr=0.05, weight_decay=0.1)
+    ref = Muon(groups(whole), lr=0.05, weight_decay=0.1)
+    for step in range(STEPS):
+        for i, k in enumerate(shapes):
+            g = _full(shapes[k], 100 * step + i + 7)
+            mixed[k].grad = make_dtensor(g, mesh, pls)
+            alone[k].grad = make_dtensor(g, mesh, pls)
+            whole[k].grad = g.clone()
+        opt.step()
+        muon_only.step()
+        ref.step()
+    return {"muon as alone": bool(torch.equal(full_of(mixed["muon"].detach()), full_of(alone["muon"].detach()))),
+            "dion2 as whole": bool(torch.equal(full_of(mixed["dion2"].detach()), whole["dion2"].detach())),
+            "dion2 momentum": bool(torch.equal(full_of(opt.state[mixed["dion2"]]["momentum_buffer"]),
+                                               ref.state[whole["dion2"]]["momentum_buffer"])),
+            "dion2 moved": not torch.equal(whole["dion2"].detach(), _full(shapes["dion2"], 1))}
+
+
+def test_dion2_beside_muon_and_adamw_groups():
+    for out in run_ranks(_mixed_rank, 2, timeout=120):
+        assert all(out.values()), out

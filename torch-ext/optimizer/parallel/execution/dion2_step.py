@@ -23,6 +23,7 @@ with ``parallel/execution/dion2_selection.py``'s exact selection) is the next st
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -49,7 +50,7 @@ def gather_whole(dt) -> Tensor:
     local = local_view(dt).contiguous()
     sharded = [m for m, p in enumerate(placements) if is_shard(p)]
     coords = [tuple(mesh.get_coordinate())]
-    width = max(numel_for_rank(shape, tuple(mesh.shape), placements, c) for c in _coordinates(mesh.shape))
+    width = _widest_piece(shape, tuple(mesh.shape), placements)
     pieces = torch.zeros(1, max(1, width), dtype=local.dtype, device=local.device)
     pieces[0, :local.numel()] = local.reshape(-1)
     for m in sharded:  # after dim m, this rank holds the pieces of every coordinate along it
@@ -61,14 +62,22 @@ def gather_whole(dt) -> Tensor:
         pieces = out
     full = torch.empty(shape, dtype=local.dtype, device=local.device)
     for c, flat in zip(coords, pieces):
-        indices = _on(local_indices(shape, tuple(mesh.shape), placements, c), full.device)
+        indices = _on(_indices(shape, tuple(mesh.shape), placements, c), full.device)
         block = block_shape(indices)
         full[as_indexer(indices)] = flat[:math.prod(block)].view(block)
     return full
 
 
-def _coordinates(mesh_shape) -> list[tuple[int, ...]]:
-    return list(itertools.product(*(range(int(k)) for k in mesh_shape)))
+@functools.lru_cache(maxsize=4096)
+def _widest_piece(shape, mesh_shape, placements) -> int:
+    """The most entries any coordinate holds (pure; memoised: a step walks no mesh)."""
+    coords = itertools.product(*(range(int(k)) for k in mesh_shape))
+    return max(numel_for_rank(shape, mesh_shape, placements, c) for c in coords)
+
+
+@functools.lru_cache(maxsize=4096)
+def _indices(shape, mesh_shape, placements, coordinate) -> tuple:
+    return local_indices(shape, mesh_shape, placements, coordinate)
 
 
 def _coordinate_of(mesh, rank: int) -> tuple[int, ...]:
@@ -85,7 +94,7 @@ def local_piece(full: Tensor, like) -> Tensor:
     ``_StridedShard``, uneven and empty pieces)."""
     mesh = like.device_mesh
     coordinate = mesh.get_coordinate()
-    indices = local_indices(tuple(like.shape), tuple(mesh.shape), tuple(like.placements), coordinate)
+    indices = _indices(tuple(like.shape), tuple(mesh.shape), tuple(like.placements), tuple(coordinate))
     return full[as_indexer(_on(indices, full.device))]
 
 
