@@ -197,7 +197,8 @@ def test_bytes_against_muon():
 
 
 def _mixed_rank(rank, world):
-    """A Muon group, a Dion2 group and an AdamW group of DTensors in one optimizer."""
+    """A Muon group, a Dion2 group and an AdamW group of DTensors in one optimizer; what Dion2 does
+    not build (``ns_split="always"``, row blocks) refused for DTensors by name."""
     from optimizer import Muon
 
     mesh = init_device_mesh("cpu", (world,))
@@ -221,7 +222,15 @@ def _mixed_rank(rank, world):
         opt.step()
         muon_only.step()
         ref.step()
-    return {"muon as alone": bool(torch.equal(full_of(mixed["muon"].detach()), full_of(alone["muon"].detach()))),
+    refusals = {}
+    for key, value in (("ns_split", "always"), ("muon_row_blocks", "heads:2")):
+        try:
+            Muon([{"params": [mixed["dion2"]], "use_muon": True, "dion2_fraction": 0.25, key: value}])
+            refusals[key] = None
+        except ValueError as err:
+            refusals[key] = str(err)
+    return {"refused " + k: m is not None and k in m and "Dion2" in m for k, m in refusals.items()} | {
+            "muon as alone": bool(torch.equal(full_of(mixed["muon"].detach()), full_of(alone["muon"].detach()))),
             "dion2 as whole": bool(torch.equal(full_of(mixed["dion2"].detach()), whole["dion2"].detach())),
             "dion2 momentum": bool(torch.equal(full_of(opt.state[mixed["dion2"]]["momentum_buffer"]),
                                                ref.state[whole["dion2"]]["momentum_buffer"])),
