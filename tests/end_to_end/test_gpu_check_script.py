@@ -1,27 +1,25 @@
 """scripts/gpu_check.sh runs its checks on CPU/gloo too (``--device cpu``): CI runs that form,
-so the script's code is exercised where no GPU exists."""
+so the script's code is exercised where no GPU exists. The run checked is the one
+scripts/gpu_first_run.sh --device cpu makes (its first part, ``gpu_check.sh --device cpu --quick``):
+one launch of the dry run (conftest.py's fixture) serves this file and test_gpu_first_run.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from repo import REPO
-
-ROOT = str(REPO)
+from first_run_script import DRY_RUN_TIMEOUT_S
 
 
 @pytest.mark.torchrun
-def test_gpu_check_script_passes_on_cpu(tmp_path):
-    out = tmp_path / "gpu_check"
-    env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--device", "cpu", "--quick",
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    log = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, log
+@pytest.mark.xdist_group("gpu_first_run")
+@pytest.mark.timeout(DRY_RUN_TIMEOUT_S + 100)
+def test_gpu_check_script_passes_on_cpu(gpu_first_run_dry_run):
+    _, folder = gpu_first_run_dry_run
+    out = folder / "gpu_check"
+    # the part's exit status 0 (gpu_first_run.sh's summary), its output on failure
+    assert "gpu_check: ok" in (folder / "summary.txt").read_text(), (folder / "gpu_check.log").read_text()[-6000:]
     summary = (out / "summary.txt").read_text()
     for check in ("config_fsdp_tp_fp32", "config_fsdp_tp_bf16", "step_checks", "step_time", "ns_efficiency"):
         assert f"{check}: ok" in summary, summary

@@ -6,43 +6,19 @@ does."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 
 import pytest
+from first_run_script import DRY_RUN_TIMEOUT_S, run
 from repo import REPO
-
-SCRIPT = str(REPO / "scripts" / "gpu_first_run.sh")
-
-
-def run(args, env_extra=None, timeout=2300):
-    """The script's exit status and output; stopped (SIGTERM: it stops its running part) if it
-    overruns ``timeout`` or the test is stopped, so that nothing it started is left running."""
-    # as on a GPU machine: no TRITON_INTERPRET (tests/conftest.py sets it for the suite; under it
-    # gpu_step.py would also time our kernels in the interpreter, minutes on CPU)
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
-    env.update(PYTHON=sys.executable, **(env_extra or {}))
-    proc = subprocess.Popen(["bash", SCRIPT, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.mark.torchrun
-@pytest.mark.timeout(2400)  # gpu_check.sh's quick checks, then the benchmarks: ~5 min on 2 idle cores, more loaded
-def test_dry_run_on_cpu_writes_every_table_and_the_environment(tmp_path):
-    folder = tmp_path / "first_run"
-    proc = run(["--device", "cpu", str(folder)])
+@pytest.mark.xdist_group("gpu_first_run")
+@pytest.mark.timeout(DRY_RUN_TIMEOUT_S + 100)
+def test_dry_run_on_cpu_writes_every_table_and_the_environment(gpu_first_run_dry_run):
+    """The dry run (conftest.py's fixture: one launch, shared with test_gpu_check_script.py)."""
+    proc, folder = gpu_first_run_dry_run
     log = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, log
     summary = (folder / "summary.txt").read_text()

@@ -5,12 +5,15 @@ largest layouts. A compile error, shared memory past the target's, a launch with
 ``enable_fp_fusion=False`` (or an epilogue contracted into FMAs) or a tf32 instruction in an fp32
 product fails it; the controls below show each check failing on a break.
 
-Runs in the main suite (Triton 3.9) and in the torch 2.10 compatibility run of ``.ci/run``, whose
-CUDA wheel brings Triton 3.6, the GPU machines' release. The compiles run in a process of their own
-without ``TRITON_INTERPRET`` (tests/conftest.py sets it for every other test, and Triton decides
-when a kernel is defined). Compiled binaries go to Triton's cache (``~/.triton/cache`` unless
-``TRITON_CACHE_DIR`` says otherwise), so a second run only looks them up; docs/kernels.md has the
-counts and times, cold and warm.
+Runs in the main suite (Triton 3.9, every target) and in the compatibility runs of ``.ci/run``
+(sm80, sm90 and the controls: torch 2.10's CUDA wheel brings Triton 3.6, the GPU machines' release,
+and those machines are A100s and H100/H200s). The compiles run in a process of their own without
+``TRITON_INTERPRET`` (tests/conftest.py sets it for every other test, and Triton decides when a
+kernel is defined). Compiled binaries go to Triton's cache (``~/.triton/cache`` unless
+``TRITON_CACHE_DIR`` says otherwise), so a second run only looks them up. Its key holds the
+kernel's source and the jit functions it calls, the constexprs, signature, alignment hints and
+options, and the Triton build, so a changed kernel or tile is compiled afresh, never answered from
+the cache; docs/kernels.md has the counts and times, cold and warm.
 """
 
 from __future__ import annotations
