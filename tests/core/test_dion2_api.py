@@ -202,10 +202,10 @@ def test_wrong_group_keys_and_meshes_are_refused():
 
 
 def test_selection_scope_local_warns_once(caplog, monkeypatch):
-    import optimizer.dion_api as api
+    import optimizer.dion2.constructors as api
     monkeypatch.setattr(api, "_WARNED_LOCAL", [])
     w, _, _ = _params()
-    with caplog.at_level(logging.WARNING, logger="optimizer.dion_api"):
+    with caplog.at_level(logging.WARNING, logger="optimizer.dion2.constructors"):
         Dion2([w], selection_scope="local")
         Dion2([w], selection_scope="local")
         Dion2([w], selection_scope="global")
@@ -392,7 +392,7 @@ def _dtensor_in_a_dion2_group(rank, world_size):
     w = Parameter(distribute_tensor(torch.ones(8, 6), mesh, [Shard(0)]))
     v = Parameter(distribute_tensor(torch.ones(6), mesh, [Shard(0)]))
     out = {}
-    import optimizer.dion2_checks as dion2_checks
+    import optimizer.dion2.checks as dion2_checks
     dion2_checks._WARNED_GATHERED.clear()  # a forked rank may inherit the parent's flag
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -5,7 +5,7 @@ FSDP+TP plain and ``_StridedShard``, 3-D expert stacks sharded on the expert dim
 both), wide, tall, square, uneven and empty shards, and four variants (Dion2 with
 ``"spectral_norm"``; NorDion2; bf16 momentum with cautious weight decay; ``muon_transposed``), on
 2 and 4 ranks, a Muon of DTensors and a Muon of the same weights held whole (single-device Dion2,
-``dion2_step.py``, itself checked against the float64 formulas in ``tests/rule/``) take 3 steps
+``dion2/step.py``, itself checked against the float64 formulas in ``tests/rule/``) take 3 steps
 with the same gradients, and:
 
 (a) every parameter, momentum and NorDion2 ``v``, assembled from the ranks' pieces
@@ -105,7 +105,7 @@ def _run_layout(rank, world, mesh_shape, placement_names, shapes, options, broke
             opt.step()
         finally:
             rec.module.dion2_rule.choose_slices = rec.original
-        import optimizer.dion2_rule as rule
+        import optimizer.dion2.rule as rule
 
         rule_original, rule.choose_slices = rule.choose_slices, ref_rec
         try:

@@ -1,4 +1,4 @@
-"""``optimizer.dion2_rule`` (Dion2/NorDion2's rule as pure functions of local tensors) against the
+"""``optimizer.dion2.rule`` (Dion2/NorDion2's rule as pure functions of local tensors) against the
 fp64 reference written from the formulas (``tests/dion2_reference.py``) and against formulas and
 index math written here: k and the dim, the top-k with its tie rule, partial norms of pieces
 (uneven, empty, interleaved) summed in member order, the chosen slices' gather and scatter, the
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dion2_reference as ref
-import optimizer.dion2_rule as dr
+import optimizer.dion2.rule as dr
 from optimizer.newton_schulz import zeropower_via_newtonschulz
 from tolerances import gamma, normuon_rtol, unit_roundoff
 

@@ -5,7 +5,7 @@
 """
 
 from .attention_layouts import FusedQKV, MLAHeads
-from .dion_api import Dion2, Dion3, NorDion2
+from .dion2.constructors import Dion2, Dion3, NorDion2
 from .max_logits import eager_max_logits, gather_max_logits
 from .muon import Muon
 from .newton_schulz import zeropower_via_newtonschulz

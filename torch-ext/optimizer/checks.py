@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .dion2_checks import dion2_param_problem, warn_gathered
+from .dion2.checks import dion2_param_problem, warn_gathered
 from .tensors import is_dtensor
 
 

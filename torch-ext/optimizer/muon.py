@@ -32,8 +32,8 @@ from . import settings
 from . import checkpoint
 from .adamw import adamw_group_step_, step_as_tensor_
 from .checks import check_group_params, param_names_problem
-from .dion2_checks import dion2_group_problem, is_dion2
-from .dion2_step import dion2_update
+from .dion2.checks import dion2_group_problem, is_dion2
+from .dion2.step import dion2_update
 from .lion import lion_group_step_
 from .matrix_view import LayoutCache
 from .newton_schulz.implementation import Implementations

@@ -11,7 +11,7 @@ from . import declarations
 from .declarations import ADAMW, DION2, LION, MUON, GroupOption, options_of, resolve_adjust_lr_fn
 
 # What a Dion2 group never holds: its momentum is the sum M + G, with no coefficient and no
-# Nesterov look-ahead (dion2_rule.py).  torch fills them into every group from the optimizer's
+# Nesterov look-ahead (dion2/rule.py).  torch fills them into every group from the optimizer's
 # defaults; ``strip_torch_defaults`` takes them out again.
 NOT_IN_DION2 = ("momentum", "nesterov")
 

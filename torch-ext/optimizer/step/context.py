@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..settings import MuonSettings, settings_key
 from ..checks import gradient_problem, param_problem
-from ..dion2_checks import dion2_errors, is_dion2
+from ..dion2.checks import dion2_errors, is_dion2
 from ..distributed import agreement, groups
 from ..matrix_view import LayoutCache
 from ..named_params import NamedParam
@@ -67,7 +67,7 @@ class StepContext:
         self.errors: list[str] = []
         self._describe_dtensors(layouts)
         stepped = [e for e in all_params if e.use_muon and e.param.grad is not None]
-        self.dion2 = [e for e in stepped if is_dion2(param_groups[e.group])]  # dion2_step.py, not the plan
+        self.dion2 = [e for e in stepped if is_dion2(param_groups[e.group])]  # dion2/step.py, not the plan
         self.muon = [e for e in stepped if not is_dion2(param_groups[e.group])]
         self.muon_groups = [param_groups[e.group] for e in self.muon]
         self.device = local_view(self.muon[0].param).device if self.muon else torch.device("cpu")

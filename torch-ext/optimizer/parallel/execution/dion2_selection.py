@@ -4,10 +4,10 @@ The building block of ``docs/dion2.md``'s steps 1-5, for DTensor momenta (not wi
 yet).  Per shard group (the ranks that together hold one copy of a matrix):
 
 1. every member computes the fp64 L1 norm of its pieces of its local slices
-   (``dion2_rule.partial_slice_norms``);
+   (``dion2.rule.partial_slice_norms``);
 2. one ``all_to_all_single`` delivers them to each unit's owner, which adds them per global slice
    index in member order (fp64);
-3. the owner chooses the top ``k`` per matrix (``dion2_rule.choose``: larger norm first, equal
+3. the owner chooses the top ``k`` per matrix (``dion2.rule.choose``: larger norm first, equal
    norms lower index first);
 4. one more ``all_to_all_single`` returns each member a mask (uint8) over its own local slices;
 5. :func:`read_counts` reads every member's chosen counts in one host read, only where some
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ...dion2_rule import NORM_DTYPE, check_fraction, check_matrix, choose, partial_slice_norms
+from ...dion2.rule import NORM_DTYPE, check_fraction, check_matrix, choose, partial_slice_norms
 from ...distributed.groups import create_collectively, group_for, rank_sets_needed
 from ...distributed.layout import MeshGrid, ParamLayout
 from ..planning.dion2_selection import ExchangePlan, SliceMap, UnitExchange, exchange_plan
@@ -117,7 +117,7 @@ def _check_momenta(momenta: Sequence[DTensor], fraction: float) -> None:
     for i, m in enumerate(momenta):
         if not isinstance(m, DTensor):
             raise TypeError(f"plan_selection: momenta[{i}] is a {type(m).__name__}, not a DTensor: a tensor held "
-                            "whole selects on its own (dion2_rule.choose_slices)")
+                            "whole selects on its own (dion2.rule.choose_slices)")
         check_matrix(f"momenta[{i}]", tuple(m.shape))
         if rank not in MeshGrid.of(m.device_mesh).ranks:
             raise ValueError(f"plan_selection: rank {rank} is not in momenta[{i}]'s mesh: pass each rank only the "

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ... import dion2_rule
+from ...dion2 import rule as dion2_rule
 from ...distributed.placements import as_indexer, block_shape, is_shard, local_indices, numel_for_rank
 from ...matrix_view import local_matrix
 from ...rule import apply_update_

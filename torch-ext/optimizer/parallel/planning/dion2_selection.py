@@ -1,6 +1,6 @@
 """Dion2's distributed selection, planned: which slices each member holds and who chooses them (pure).
 
-Dion2 chooses, per matrix, the ``k`` rows (or columns) of largest L1 norm (``dion2_rule``); the
+Dion2 chooses, per matrix, the ``k`` rows (or columns) of largest L1 norm (``dion2/rule.py``); the
 dim is a function of the matrix's *global* shape (rows if ``m <= n`` else columns; NorDion2: rows).
 On a mesh every member of a shard group holds a piece of some slices; the exact selection
 (``docs/dion2.md``, "The selection, distributed") sends each member's partial norms to the unit's
@@ -26,7 +26,7 @@ from typing import Sequence
 
 from torch.distributed.tensor.placement_types import Placement
 
-from ...dion2_rule import chosen_count, selection_dim
+from ...dion2.rule import chosen_count, selection_dim
 from ...distributed.placements import Index, block_shape, local_indices
 from .owners import assign_owners_among
 

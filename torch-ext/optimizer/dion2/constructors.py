@@ -2,7 +2,7 @@
 
 dion's keywords and group keys mapped onto Muon's options, so that code written for dion's Dion2
 runs unchanged (``docs/from_dion.md`` has the table).  Thin: every value is then checked, agreed
-and stepped as Muon's own options are (``dion2_step.py`` runs the groups; single device for now).
+and stepped as Muon's own options are (``step.py`` runs the groups, plain tensors and DTensors).
 
 Nothing a caller passes is silently dropped: a keyword or group key with no meaning here is
 refused by name, with what to do instead.
@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from . import dion2_rule
-from .muon import Muon
-from .named_params import named_params
-from .settings import GROUP_OPTIONS
-from .settings.checks import check_ef_decay, check_fraction
-from .tensors import is_dtensor
+from . import rule as dion2_rule
+from ..muon import Muon
+from ..named_params import named_params
+from ..settings import GROUP_OPTIONS
+from ..settings.checks import check_ef_decay, check_fraction
+from ..tensors import is_dtensor
 
 logger = logging.getLogger(__name__)
 

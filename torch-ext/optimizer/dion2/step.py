@@ -11,7 +11,7 @@ matrix's own shape, never the chosen submatrix's), ``weight_decay``, ``cautious_
 ``maximize``, the ``[out, in]`` view of a ``muon_transposed`` weight, and Newton–Schulz's options
 (``ns_steps``, ``ns_coefficients``, ``ns_method``, ``eps``, ``ns_kernels``), which orthogonalise
 the chosen ``k``-slice submatrix.  What it does not build is refused
-(``dion2_checks.dion2_group_problem``).
+(``checks.dion2_group_problem``).
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ from collections.abc import Mapping, MutableMapping, Sequence
 
 import torch
 
-from . import dion2_rule
-from .checkpoint import MOMENTUM_KEY, ROW_STATE_KEY
-from .matrix_view import local_matrix
-from .named_params import NamedParam
-from .newton_schulz.group import NewtonSchulz  # Newton–Schulz's one entry point here
-from .newton_schulz.implementation import Implementation
-from .rule import adjust_lr, normuon_on, work_dtype
-from .settings import GROUP_OPTIONS, MuonSettings
-from .parallel.execution.dion2_step import dion2_dtensor_step_
-from .step.muon_update import momentum_buffers, row_states
-from .tensors import is_dtensor
+from . import rule as dion2_rule
+from ..checkpoint import MOMENTUM_KEY, ROW_STATE_KEY
+from ..matrix_view import local_matrix
+from ..named_params import NamedParam
+from ..newton_schulz.group import NewtonSchulz  # Newton–Schulz's one entry point here
+from ..newton_schulz.implementation import Implementation
+from ..rule import adjust_lr, normuon_on, work_dtype
+from ..settings import GROUP_OPTIONS, MuonSettings
+from ..parallel.execution.dion2_step import dion2_dtensor_step_
+from ..step.muon_update import momentum_buffers, row_states
+from ..tensors import is_dtensor
 
 #: ``dion2_ef_decay``'s declared default (an optional option at its default is not held by a group).
 EF_DECAY_DEFAULT = next(o.default for o in GROUP_OPTIONS if o.name == "dion2_ef_decay")

@@ -1,4 +1,4 @@
-"""Dion2 and NorDion2's update rule, as pure functions of local tensors (``dion2_step.py`` runs it in ``Muon.step``).
+"""Dion2 and NorDion2's update rule, as pure functions of local tensors (``dion2/step.py`` runs it in ``Muon.step``).
 
 Dion2 (Ahn, Amsel, Langford, arXiv 2512.16928; microsoft/dion 0a059a4 ``dion/dion2.py``)
 orthogonalises a fraction of each matrix: for a weight ``W`` ``[..., m, n]`` (each matrix of a
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .rule import apply_update_, normuon_normalize
-from .settings.checks import check_ef_decay, check_fraction  # noqa: F401 - declared with the options; re-exported
+from ..rule import apply_update_, normuon_normalize
+from ..settings.checks import check_ef_decay, check_fraction  # noqa: F401 - declared with the options; re-exported
 
 ROWS, COLUMNS = -2, -1
 #: The selection's arithmetic: norms are sums of magnitudes accumulated in float64, so that

@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .named_params import NamedParam
-from .row_blocks import ROW_BLOCKS_KEY
-from .settings import DION2, MuonSettings, kind_of
+from ..named_params import NamedParam
+from ..row_blocks import ROW_BLOCKS_KEY
+from ..settings import DION2, MuonSettings, kind_of
 
 
 def is_dion2(group: Mapping) -> bool:
