@@ -10,8 +10,10 @@ What the step reads of a group is Muon's: the momentum buffer (``momentum_buffer
 matrix's own shape, never the chosen submatrix's), ``weight_decay``, ``cautious_wd``,
 ``maximize``, the ``[out, in]`` view of a ``muon_transposed`` weight, and Newton–Schulz's options
 (``ns_steps``, ``ns_coefficients``, ``ns_method``, ``eps``, ``ns_kernels``), which orthogonalise
-the chosen ``k``-slice submatrix.  What it does not build is refused
-(``checks.dion2_group_problem``).
+the chosen ``k``-slice submatrix.  A plain tensor with row blocks (``muon_row_blocks``) steps each
+block as its own matrix (``dion2_rule.dion2_blocks_step_``); QK-clip scales the q/k rows of every
+updated weight after the update (:func:`clip_updated_`).  What it does not build is refused
+(``checks.dion2_group_problem``, ``checks.dion2_row_blocks``).
 """
 
 from __future__ import annotations
