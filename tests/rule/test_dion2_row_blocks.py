@@ -9,7 +9,7 @@ NorDion2 rows), ``k = chosen_count(fraction, s_b)``, the lr factor of its own sh
 in each block are the reference's chosen ones, the momentum is the reference's bit for bit, the
 weights within the roundings (Newton–Schulz's bound, ``tests/tolerances.py``).  Blocks of two
 shapes in one weight (one selecting rows, one columns), non-contiguous blocks, expert stacks,
-``muon_transposed`` and every ``adjust_lr`` mode.
+``muon_transposed``, every ``adjust_lr`` mode, cautious weight decay and ``maximize``.
 
 DTensors with row blocks in a Dion2 group are refused naming the option
 (``tests/parallel/test_dion2_dtensor.py``).
@@ -49,7 +49,7 @@ CASES = {  # name -> (weight shape [..., out, in], spec, each block's rows)
 }
 
 
-def _reference(w, g, m, v, blocks, *, fraction, nor, mode):
+def _reference(w, g, m, v, blocks, *, fraction, nor, mode, cautious=False, maximize=False):
     """The formulas per block: (weight, momentum, v, [(rows, chosen per matrix, dim, tolerance)])."""
     W, M, V = w.clone(), m.clone(), None if v is None else v.clone()
     out = []
@@ -57,7 +57,8 @@ def _reference(w, g, m, v, blocks, *, fraction, nor, mode):
         ix = torch.tensor(rows)
         sub = lambda t: t.index_select(-2, ix)  # noqa: E731
         r = ref.step(sub(w), sub(g), sub(m), fraction=fraction, ef_decay=EF, lr=LR, weight_decay=WD, adjust_lr=mode,
-                     orthogonalize=orth, row_state=None if v is None else sub(v), beta2=BETA2 if nor else None)
+                     orthogonalize=orth, row_state=None if v is None else sub(v), beta2=BETA2 if nor else None,
+                     cautious=cautious, maximize=maximize)
         W.index_copy_(-2, ix, r.weight)
         M.index_copy_(-2, ix, r.momentum)
         if V is not None:
@@ -81,7 +82,8 @@ def moved(before, after, dim):
     return [torch.nonzero(x).flatten().tolist() for x in along]
 
 
-def run_blocks(case, *, nor=False, transposed=False, fraction=0.3, adjust_lr="spectral_norm", steps=3, seed=0):
+def run_blocks(case, *, nor=False, transposed=False, fraction=0.3, adjust_lr="spectral_norm", steps=3, seed=0,
+               cautious=False, maximize=False):
     shape, spec, blocks = CASES[case]
     mode = {"match_rms_adamw": "rms_norm"}.get(adjust_lr, adjust_lr)
     gen = torch.Generator().manual_seed(seed)
@@ -91,19 +93,21 @@ def run_blocks(case, *, nor=False, transposed=False, fraction=0.3, adjust_lr="sp
     group = {"params": [p], "param_names": ["w"], "use_muon": True, "muon_row_blocks": spec,
              **({"normuon_beta2": BETA2} if nor else {}), **({"muon_transposed": True} if transposed else {})}
     opt = Muon([group], lr=LR, weight_decay=WD, dion2_fraction=fraction, dion2_ef_decay=EF, adjust_lr=adjust_lr,
-               compute_dtype=torch.float64, **NS)
+               compute_dtype=torch.float64, cautious_wd=cautious, maximize=maximize, **NS)
     rw, rm = W.clone(), torch.zeros_like(W)
     rv = torch.zeros(*shape[:-1], 1, dtype=torch.float64) if nor else None
     for t, G in enumerate(grads, start=1):
         before = view(p.detach()).clone()
         p.grad = view(G).contiguous()
         opt.step()
-        rw, rm, rv, per_block = _reference(rw, G, rm, rv, blocks, fraction=fraction, nor=nor, mode=mode)
+        rw, rm, rv, per_block = _reference(rw, G, rm, rv, blocks, fraction=fraction, nor=nor, mode=mode,
+                                           cautious=cautious, maximize=maximize)
         after = view(p.detach())
         assert torch.equal(view(opt.state[p]["momentum_buffer"]), rm), f"step {t}: momentum"
         for b, (ix, chosen, dim, w_tol, v_tol) in enumerate(per_block):
             sub = lambda x: x.index_select(-2, ix)  # noqa: E731
-            assert moved(sub(before), sub(after), dim) == chosen, f"step {t} block {b}: the slices that moved"
+            if not cautious:  # cautious decay changes chosen entries by the mask: moved != chosen there
+                assert moved(sub(before), sub(after), dim) == chosen, f"step {t} block {b}: the slices that moved"
             torch.testing.assert_close(sub(after), sub(rw), atol=t * w_tol, rtol=0,
                                        msg=lambda s, b=b: f"step {t} block {b}: weights: {s}")
             if nor:
@@ -128,6 +132,11 @@ def test_each_block_takes_the_lr_factor_of_its_own_shape(adjust_lr):
 def test_transposed_weights_take_blocks_of_their_out_in_view():
     run_blocks("rows and columns", transposed=True)
     run_blocks("heads", transposed=True, nor=True, fraction=0.5)
+
+
+@pytest.mark.parametrize("variant", [dict(cautious=True), dict(maximize=True), dict(nor=True, cautious=True)])
+def test_cautious_and_maximize_with_row_blocks(variant):
+    run_blocks("rows and columns", **variant)
 
 
 def test_blocks_choose_differently_from_the_whole_matrix():
