@@ -5,8 +5,8 @@
   for bit as the Muon built with the mapped options; the constructors' keywords are dion 0a059a4's.
 * Wrong keywords are refused naming dion's keyword.
 * A refused Dion2 group or keyword (fraction outside (0, 1], a negative ef_decay, momentum or
-  nesterov in a Dion2 group, a vector in a Dion2 group, row blocks, ``ns_split='always'``,
-  QK-clip) leaves the optimizer as it was (``test_refusals.Snapshot``), at construction,
+  nesterov in a Dion2 group, a vector in a Dion2 group, row blocks that do not fit the weight,
+  ``ns_split='always'``) leaves the optimizer as it was (``test_refusals.Snapshot``), at construction,
   ``add_param_group`` and ``step()`` (options written in place).
 * Lion groups (``algorithm="lion"``) against the formula written here, as dion's
   ``scalar_opts.lion_update`` defines it.
@@ -27,7 +27,7 @@ from torch.nn import Parameter
 
 import optimizer
 from harness import run_ranks
-from optimizer import Dion2, Dion3, Muon, NorDion2, QKClipConfig
+from optimizer import Dion2, Dion3, Muon, NorDion2
 from test_refusals import Snapshot
 
 # dion 0a059a4's constructor keywords (dion/dion2.py, dion/nordion2.py), in order
@@ -235,8 +235,8 @@ BAD_GROUPS = [  # (group keys on a Dion2 group, words the error names)
     ({"dion2_fraction": 0.5, "dion2_ef_decay": -1.0}, "dion2_ef_decay"),
     ({"dion2_fraction": 0.5, "momentum": 0.9}, "sets `momentum`"),
     ({"dion2_fraction": 0.5, "nesterov": False}, "sets `nesterov`"),
-    ({"dion2_fraction": 0.5, "muon_row_blocks": "heads:2"}, "muon_row_blocks"),
-    ({"dion2_fraction": 0.5, "ns_split": "always"}, "ns_split"),
+    ({"dion2_fraction": 0.5, "muon_row_blocks": "heads:4"}, "muon_row_blocks='heads:4'"),  # 6 rows
+    ({"dion2_fraction": 0.5, "ns_split": "always"}, "ns_split.*k-slice submatrix.*Remove `ns_split`"),
     ({"dion2_ef_decay": 0.5}, "applies to Dion2 groups only"),
 ]
 
@@ -261,16 +261,13 @@ def test_vectors_and_momentum_keywords_with_dion2_are_refused_at_construction():
         Muon([{"params": [w, b], "param_names": ["w", "b"], "use_muon": True}], dion2_fraction=0.25)
     with pytest.raises(ValueError, match="`momentum` was passed with dion2_fraction"):
         Muon([{"params": [w], "use_muon": True}], dion2_fraction=0.25, momentum=0.9)
-    with pytest.raises(ValueError, match="qk_clip"):
-        Muon([{"params": [w], "param_names": ["layers.0.attn.wq.weight"], "use_muon": True}], dion2_fraction=0.25,
-             qk_clip=QKClipConfig(head_dim=4, threshold=100.0))
 
 
 IN_PLACE = [  # (change to group 0 of _built(), words the step's error names)
     (lambda g: g.__setitem__("momentum", 0.9), "cycle_momentum=False"),
     (lambda g: g.__setitem__("dion2_fraction", 1.5), "dion2_fraction"),
     (lambda g: g.__setitem__("dion2_ef_decay", -0.5), "dion2_ef_decay"),
-    (lambda g: g.__setitem__("muon_row_blocks", "heads:2"), "muon_row_blocks"),
+    (lambda g: g.__setitem__("muon_row_blocks", "heads:3"), "muon_row_blocks='heads:3'"),  # 8 rows
     (lambda g: g.__setitem__("dion2_fraction", None), "no `momentum`"),  # back to Muon: it needs its momentum
 ]
 

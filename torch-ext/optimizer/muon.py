@@ -32,7 +32,7 @@ from . import settings
 from . import checkpoint
 from .adamw import adamw_group_step_, step_as_tensor_
 from .checks import check_group_params, param_names_problem
-from .dion2.checks import dion2_group_problem, is_dion2
+from .dion2.checks import dion2_group_problem, dion2_row_blocks, is_dion2
 from .dion2.step import dion2_update
 from .lion import lion_group_step_
 from .matrix_view import LayoutCache
@@ -128,7 +128,7 @@ class Muon(Optimizer):
         settings.check_group(group, where)
         entries = [e for e in named_params(self.param_groups) if e.group == index]
         check_group_params(group, [e.name for e in entries], where)
-        problem = is_dion2(group) and dion2_group_problem(group, where, self.settings)
+        problem = is_dion2(group) and dion2_group_problem(group, where)
         if problem:
             raise ValueError(problem)
         for e in entries:
@@ -137,6 +137,9 @@ class Muon(Optimizer):
                 raise ValueError(f"{problem} ({where} ns_kernels)")
             if group["use_muon"] and group.get(ROW_BLOCKS_KEY) is not None:
                 resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], e.name, f"Muon: {where}"), e.name, e.shape)
+                problem = is_dion2(group) and dion2_row_blocks(e, group, where)[1]
+                if problem:
+                    raise ValueError(problem)
 
     def _create_process_groups(self, param_groups: list[dict], only_if_missing: bool = False) -> None:
         create_process_groups(self.param_groups, param_groups, self._layouts, self.settings, only_if_missing)
@@ -166,7 +169,8 @@ class Muon(Optimizer):
             if not group["use_muon"]:
                 (lion_group_step_ if settings.kind_of(group) == settings.LION else adamw_group_step_)(group, self.state)
         dion2_update(context.dion2, [self.param_groups[e.group] for e in context.dion2], context.dion2_implementations,
-                     self.state, self.settings)
+                     self.state, self.settings, row_blocks=context.dion2_row_blocks,
+                     clips=[context.dion2_clip_rows(i, clip) for i in range(len(context.dion2))])
         self._record_stats(muon_update(context, self.state, self.settings, clip))
         return loss
 

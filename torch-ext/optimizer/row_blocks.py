@@ -141,6 +141,11 @@ class RowBlocks:
     def shapes(self) -> list[int]:
         return [c.rows_per_block for c in self.classes for _ in range(c.count)]
 
+    def rows_of_each(self) -> list[Tensor]:
+        """Each block's global rows (int64, CPU), in declaration order (Dion2 steps every block as its own matrix)."""
+        return [torch.arange(*b.indices(self.num_rows)) if isinstance(b, slice) else b.to("cpu", torch.long)
+                for b in self.blocks]
+
     def class_rows(self, device) -> list[Tensor]:
         key = str(torch.device(device))
         if key not in self._on_device:

@@ -2,8 +2,8 @@
 
 Checked when a group is added (``Muon._check_group``) and again at every step before anything
 changes (``step/context.py``, agreed by the ranks like every problem).  Dion2 runs on plain tensors
-and DTensors (every placement), without row blocks, a split Newton–Schulz or QK-clip
-(``docs/dion2.md``)."""
+and DTensors (every placement), with QK-clip; row blocks on plain tensors (not yet on DTensors);
+never with a split Newton–Schulz (``docs/dion2.md``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..named_params import NamedParam
-from ..row_blocks import ROW_BLOCKS_KEY
-from ..settings import DION2, MuonSettings, kind_of
+from ..row_blocks import ROW_BLOCKS_KEY, RowBlocks, resolve_row_blocks, spec_for
+from ..settings import DION2, kind_of
+from ..tensors import is_dtensor
 
 
 def is_dion2(group: Mapping) -> bool:
@@ -22,34 +23,49 @@ def is_dion2(group: Mapping) -> bool:
     return bool(group.get("use_muon")) and kind_of(group) == DION2
 
 
-def dion2_group_problem(group: Mapping, where: str, settings: MuonSettings) -> str | None:
-    """What a Dion2 group asks for that single-device Dion2 does not build, or None: row blocks,
-    ``ns_split="always"`` (a split Newton–Schulz needs a shard group; Dion2 here runs whole matrices),
-    and QK-clip (it scales the q/k rows of Muon's updated weights; not defined for a sparse update)."""
-    name = f"dion2_fraction={group.get('dion2_fraction')!r}"
-    if group.get(ROW_BLOCKS_KEY) is not None:
-        return (f"Muon: {where} sets `{ROW_BLOCKS_KEY}` but is a Dion2 group ({name}): row blocks (per head) are "
-                f"not built for Dion2 yet. Remove `{ROW_BLOCKS_KEY}`, or put those weights in a Muon group "
-                "(dion2_fraction=None)")
+def dion2_group_problem(group: Mapping, where: str) -> str | None:
+    """What a Dion2 group asks for that Dion2 does not build, or None: ``ns_split="always"``."""
     if group.get("ns_split") == "always":
-        return (f"Muon: {where} sets `ns_split`='always' but is a Dion2 group ({name}): Dion2 orthogonalises each "
-                "chosen submatrix whole. Remove `ns_split` (or set 'never'/'auto')")
-    if settings.qk_clip is not None:
-        return (f"Muon: `qk_clip` is configured and {where} is a Dion2 group ({name}): QK-clip is not built for "
-                "Dion2 yet. Set qk_clip=None, or make this group a Muon group (dion2_fraction=None)")
+        return (f"Muon: {where} sets `ns_split`='always' but is a Dion2 group "
+                f"(dion2_fraction={group.get('dion2_fraction')!r}): `ns_split` cuts a whole matrix's "
+                "Newton–Schulz over its shard group, while Dion2 orthogonalises only the chosen k-slice submatrix, "
+                "whole, on one rank (its cost is already about the fraction squared of the matrix's). Remove "
+                "`ns_split` (or set 'never'/'auto'), or make this group a Muon group (dion2_fraction=None)")
     return None
 
 
-def dion2_errors(entries: Sequence[NamedParam], groups: Sequence[Mapping], settings: MuonSettings) -> list[str]:
-    """This rank's problems with the Dion2 parameters of a step (found before anything changes):
-    a parameter that is no matrix, and what the groups ask for."""
-    errors = []
+def dion2_row_blocks(e: NamedParam, group: Mapping, where: str) -> tuple[RowBlocks | None, str | None]:
+    """The row blocks of Dion2 parameter ``e`` of ``group`` (``where``), each stepped as its own
+    matrix (``rule.dion2_blocks_step_``; None: the whole matrix), or why they cannot be: a spec that
+    does not fit the weight (``row_blocks.resolve_row_blocks``' error), or a DTensor (not built)."""
+    if group.get(ROW_BLOCKS_KEY) is None:
+        return None, None
+    try:
+        blocks = resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], e.name, f"Muon: {where}"), e.name, e.shape)
+    except ValueError as err:
+        return None, str(err)
+    if blocks is not None and is_dtensor(e.param):
+        return None, (f"Muon: parameter '{e.name}' is a DTensor in a Dion2 group ({where}) that sets "
+                      f"`{ROW_BLOCKS_KEY}`: row blocks with Dion2 are built for plain tensors, not yet for DTensors. "
+                      f"Remove `{ROW_BLOCKS_KEY}` for it, or put it in a Muon group (dion2_fraction=None), "
+                      "where row blocks run on every placement")
+    return blocks, None
+
+
+def dion2_errors(entries: Sequence[NamedParam], groups: Sequence[Mapping]) -> tuple[list[RowBlocks | None], list[str]]:
+    """Each Dion2 parameter's row blocks (:func:`dion2_row_blocks`), and this rank's problems with
+    the Dion2 parameters of a step (found before anything changes): a parameter that is no matrix,
+    what the groups ask for, row blocks that cannot be used."""
+    errors, blocks = [], []
     for e in entries:
         where = f"param_groups[{e.group}]"
-        problem = dion2_param_problem(e.name, e.param, where) or dion2_group_problem(groups[e.group], where, settings)
-        if problem and problem not in errors:
-            errors.append(problem)
-    return errors
+        b, blocks_problem = dion2_row_blocks(e, groups[e.group], where)
+        blocks.append(b)
+        problem = dion2_param_problem(e.name, e.param, where) or dion2_group_problem(groups[e.group], where)
+        for p in (problem, blocks_problem):
+            if p and p not in errors:
+                errors.append(p)
+    return blocks, errors
 
 
 #: what a Dion2 group of DTensors costs today, said once per process (:func:`warn_gathered`)

@@ -128,8 +128,9 @@ def _dion_group(group: dict, where: str, algorithm: str, betas, flatten: bool, d
 def _matrix_group(group: dict, where: str, flatten: bool, dion2_keys) -> dict:
     for key in ("num_heads", "split_sizes"):
         if key in group:
-            raise ValueError(f"{where} sets `{key}`: per-head and split row blocks are not built for Dion2 yet; "
-                             "remove it (Muon groups take them as muon_row_blocks)")
+            raise ValueError(f"{where} sets `{key}`, dion's row split, which is not mapped here: remove it and "
+                             "set muon_row_blocks on the group ('heads:<head_dim>' or 'blocks:<r1>,<r2>,...'; "
+                             "each block its own Dion2 matrix, on plain tensors)")
     for key in ("beta1", "beta2"):
         if key in group:
             raise ValueError(f"{where} sets `{key}`, which applies to 'adamw' and 'lion' groups only; remove it")

@@ -19,7 +19,8 @@ batch on its own, so a 3-D expert stack selects per expert) with gradient ``G`` 
 The functions work on a whole matrix or on a rank's piece of one: :func:`partial_slice_norms`
 of a piece are summed over the pieces that split a slice (:func:`sum_partials`, in member order),
 :func:`choose` then picks the same slices on every rank.  ``docs/dion2.md`` is the design of the
-distributed step; :func:`dion2_step_` is the single-device step, composed from the parts.
+distributed step; :func:`dion2_step_` is the single-device step, composed from the parts, and
+:func:`dion2_blocks_step_` the same per row block (``muon_row_blocks``: each block its own matrix).
 """
 
 from __future__ import annotations
@@ -228,3 +229,28 @@ def dion2_step_(param: Tensor, grad: Tensor, buf: Tensor, *, fraction: float, ef
         o, v = normalize_chosen_rows(o, row_state, sel.indices, normuon_beta2)
     apply_sparse_update_(param, o, sel.indices, sel.dim, lr, adjusted, weight_decay, cautious)
     return sel, v
+
+
+def dion2_blocks_step_(param: Tensor, grad: Tensor, buf: Tensor, blocks: Sequence[Tensor], *,
+                       adjusted: Sequence[float], row_state: Tensor | None = None,
+                       **rule) -> tuple[list[Selection], Tensor | None]:
+    """:func:`dion2_step_` on each row block of a matrix ``[..., m, n]`` as its own matrix: block
+    ``b`` is the rows ``blocks[b]`` (a LongTensor on ``param``'s device; the blocks partition the
+    ``m`` rows, of every matrix of a stack), with its own selection dim and ``k`` from its shape
+    ``[..., rows_b, n]``, its own ``adjusted[b]`` lr and the chosen slices of its own momentum (and
+    NorDion2's ``v`` rows).  ``rule``: :func:`dion2_step_`'s other keywords.  In place on ``param``,
+    ``buf`` and ``row_state``; returns each block's selection (indices local to the block) and
+    ``row_state``."""
+    if len(adjusted) != len(blocks):
+        raise ValueError(f"dion2_blocks_step_: {len(blocks)} blocks but {len(adjusted)} adjusted learning rates")
+    selections = []
+    for rows, block_lr in zip(blocks, adjusted):
+        p, m = param.index_select(ROWS, rows), buf.index_select(ROWS, rows)
+        v = None if row_state is None else row_state.index_select(ROWS, rows)
+        sel, v = dion2_step_(p, grad.index_select(ROWS, rows), m, adjusted=block_lr, row_state=v, **rule)
+        param.index_copy_(ROWS, rows, p)
+        buf.index_copy_(ROWS, rows, m)
+        if row_state is not None:
+            row_state.index_copy_(ROWS, rows, v)
+        selections.append(sel)
+    return selections, row_state

@@ -10,8 +10,10 @@ What the step reads of a group is Muon's: the momentum buffer (``momentum_buffer
 matrix's own shape, never the chosen submatrix's), ``weight_decay``, ``cautious_wd``,
 ``maximize``, the ``[out, in]`` view of a ``muon_transposed`` weight, and Newton–Schulz's options
 (``ns_steps``, ``ns_coefficients``, ``ns_method``, ``eps``, ``ns_kernels``), which orthogonalise
-the chosen ``k``-slice submatrix.  What it does not build is refused
-(``checks.dion2_group_problem``).
+the chosen ``k``-slice submatrix.  A plain tensor with row blocks (``muon_row_blocks``) steps each
+block as its own matrix (``dion2_rule.dion2_blocks_step_``); QK-clip scales the q/k rows of every
+updated weight after the update (:func:`clip_updated_`).  What it does not build is refused
+(``checks.dion2_group_problem``, ``checks.dion2_row_blocks``).
 """
 
 from __future__ import annotations
@@ -29,32 +31,43 @@ from ..newton_schulz.implementation import Implementation
 from ..rule import adjust_lr, normuon_on, work_dtype
 from ..settings import GROUP_OPTIONS, MuonSettings
 from ..parallel.execution.dion2_step import dion2_dtensor_step_
+from ..qk_clip.step import apply_clip_
+from ..row_blocks import RowBlocks
 from ..step.muon_update import momentum_buffers, row_states
-from ..tensors import is_dtensor
+from ..tensors import is_dtensor, local_view
 
 #: ``dion2_ef_decay``'s declared default (an optional option at its default is not held by a group).
 EF_DECAY_DEFAULT = next(o.default for o in GROUP_OPTIONS if o.name == "dion2_ef_decay")
 
 
 def dion2_update(entries: Sequence[NamedParam], groups: Sequence[Mapping], implementations: Sequence[Implementation],
-                 state: MutableMapping, settings: MuonSettings) -> None:
+                 state: MutableMapping, settings: MuonSettings, row_blocks: Sequence[RowBlocks | None] | None = None,
+                 clips: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> None:
     """One Dion2 step of every parameter in ``entries`` (each with a gradient; ``groups[i]`` its
     group, ``implementations[i]`` its ``ns_kernels`` as resolved when the step context was built),
-    in place on the parameter, its momentum and its NorMuon ``v``."""
+    in place on the parameter, its momentum and its NorMuon ``v``; ``row_blocks[i]``: parameter
+    ``i``'s row blocks (plain tensors only, ``checks.dion2_row_blocks``), ``clips[i]``: its QK-clip
+    (scale table, local row slots) this step (``StepContext.dion2_clip_rows``), applied after every
+    update (:func:`clip_updated_`)."""
     if not entries:
         return
+    blocks = list(row_blocks) if row_blocks is not None else [None] * len(entries)
     params = [e.param for e in entries]
     views = [e.transposed for e in entries]
     bufs = momentum_buffers(params, groups, state)
     rows = row_states(params, groups, views, state)
-    for e, group, implementation, buf, v in zip(entries, groups, implementations, bufs, rows):
+    for e, group, implementation, buf, v, b in zip(entries, groups, implementations, bufs, rows, blocks):
         options = _options(e, group, implementation, settings)
         if is_dtensor(e.param):  # every rank of its mesh steps it here, in the agreed order
             entry = state[e.param]
             dion2_dtensor_step_(e.param, entry[MOMENTUM_KEY], entry.get(ROW_STATE_KEY) if v is not None else None,
                                 transposed=e.transposed, **options)
+        elif b is not None:
+            _step_blocks(e, local_matrix(buf, e.transposed), v, b, group, options)
         else:
             _step_one(e, local_matrix(buf, e.transposed), v, options)
+    if clips is not None:
+        clip_updated_(entries, clips)
 
 
 def _options(e: NamedParam, group: Mapping, implementation: Implementation, settings: MuonSettings) -> dict:
@@ -75,3 +88,26 @@ def _step_one(e: NamedParam, buf: torch.Tensor, v: torch.Tensor | None, options:
                                       buf, row_state=v, **options)
     if v is not None and v_new is not v:
         v.copy_(v_new)
+
+
+def _step_blocks(e: NamedParam, buf: torch.Tensor, v: torch.Tensor | None, blocks: RowBlocks, group: Mapping,
+                 options: dict) -> None:
+    """Each row block of a plain tensor stepped as its own matrix (``dion2_rule.dion2_blocks_step_``),
+    its lr adjusted for the block's own shape ``[..., rows_b, n]``."""
+    param = local_matrix(e.param, e.transposed)
+    rows = [r.to(param.device) for r in blocks.rows_of_each()]
+    shapes = [(*e.shape[:-2], r.numel(), e.shape[-1]) for r in rows]
+    adjusted = [adjust_lr(options["lr"], shape, group["adjust_lr"]) for shape in shapes]
+    rule = {k: o for k, o in options.items() if k != "adjusted"}
+    dion2_rule.dion2_blocks_step_(param, local_matrix(e.param.grad, e.transposed), buf, rows, adjusted=adjusted,
+                                  row_state=v, **rule)
+
+
+def clip_updated_(entries: Sequence[NamedParam], clips: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    """QK-clip after the Dion2 update, as Muon's ``MatrixStep.scale_rows`` does after its own: each
+    clipped weight's local rows (of its ``[out, in]`` view) scaled by their head's factor.  A row
+    scaling of every rank's own piece, given its rows' table slots: the same on plain tensors and
+    DTensors (``qk_clip.step.apply_clip_``)."""
+    for e, clip in zip(entries, clips):
+        if clip is not None:
+            apply_clip_(local_matrix(local_view(e.param), e.transposed), *clip)

@@ -70,11 +70,13 @@ class StepContext:
         self.dion2 = [e for e in stepped if is_dion2(param_groups[e.group])]  # dion2/step.py, not the plan
         self.muon = [e for e in stepped if not is_dion2(param_groups[e.group])]
         self.muon_groups = [param_groups[e.group] for e in self.muon]
-        self.device = local_view(self.muon[0].param).device if self.muon else torch.device("cpu")
+        first = (self.muon or self.dion2 or [None])[0]
+        self.device = local_view(first.param).device if first is not None else torch.device("cpu")
         self.row_blocks: list[RowBlocks | None] = [None] * len(self.muon)
         # what runs each Muon parameter's products and stages (newton_schulz/implementation.py)
         self.implementations: list[Implementation] = []
         self.dion2_implementations: list[Implementation] = []  # the same for each Dion2 parameter
+        self.dion2_row_blocks: list[RowBlocks | None] = [None] * len(self.dion2)
         self.head_map: HeadMap | None = None
         self.plan = StepPlan()
         self._layouts = layouts
@@ -86,7 +88,8 @@ class StepContext:
         self.errors += [problem for e in all_params if (problem := param_problem(e.name, e.param))]
         self.errors += [problem for e in all_params if (problem := implementations.param_problem(
             e.name, e.param, param_groups[e.group], settings.compute_dtype))]
-        self.errors += dion2_errors(self.dion2, param_groups, settings)
+        self.dion2_row_blocks, problems = dion2_errors(self.dion2, param_groups)  # each Dion2 parameter's blocks
+        self.errors += problems
         if self.errors:
             return
         self.implementations = [implementations.for_param(e.param, group, settings.compute_dtype)
@@ -162,7 +165,7 @@ class StepContext:
         clip = None
         if not errors:
             clip, qk_errors = step_clip(self.head_map, qk_logits, self.device,
-                                        {e.name: e.param.grad is not None for e in self.muon})
+                                        {e.name: e.param.grad is not None for e in (*self.muon, *self.dion2)})
             errors += qk_errors
         nothing = torch.zeros((), dtype=torch.int64)
         grads = [local_view(e.param.grad) for e in (*self.muon, *self.dion2)]
@@ -189,11 +192,17 @@ class StepContext:
 
     def clip_rows(self, i: int, clip: ClipStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(scale table, table slot of every local row) when Muon parameter ``i`` is clipped this step."""
+        return self._clip_rows(i, self.muon[i], clip)
+
+    def dion2_clip_rows(self, i: int, clip: ClipStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The same for Dion2 parameter ``i`` (``dion2/step.py`` scales its rows after its update)."""
+        return self._clip_rows(("dion2", i), self.dion2[i], clip)
+
+    def _clip_rows(self, key, e: NamedParam, clip: ClipStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if clip is None:
             return None
-        e = self.muon[i]
         local_rows = functools.partial(self._layouts.local_rows, e.param, e.transposed, self._rank)
-        return self._clip_slots.rows(i, e.name, clip, local_rows, local_view(e.param).device)
+        return self._clip_slots.rows(key, e.name, clip, local_rows, local_view(e.param).device)
 
 
 def rank() -> int:
