@@ -160,12 +160,14 @@ def _run_layout(rank, world, mesh_shape, placement_names, shapes, options, broke
     return out
 
 
-def _rank(rank, world, variants, broken=False):
+def _rank(rank, world, variants, broken=False, names=None):
     global Muon
     from optimizer import Muon
 
     results = {}
     for name, mesh_shape, placements, shapes in layouts(world):
+        if names is not None and name not in names:
+            continue
         for variant in variants:
             results[(name, variant)] = _run_layout(rank, world, mesh_shape, placements, shapes, VARIANTS[variant],
                                                    broken)
@@ -200,6 +202,13 @@ def layout_shapes(world, name):
 def test_dtensor_dion2_equals_single_device(world):
     results = run_ranks(_rank, world, tuple(VARIANTS), timeout=240 + 60 * world)
     _check(results, world)
+
+
+def test_eight_ranks():
+    """8 ranks, kept light: FSDP over 8 (uneven and empty pieces) and FSDP 4 x TP 2, Dion2 and NorDion2."""
+    results = run_ranks(_rank, 8, ("dion2", "nordion2"), names=("fsdp_rows", "fsdp_tp"), timeout=600)
+    assert set(results[0]) == {(n, v) for n in ("fsdp_rows", "fsdp_tp") for v in ("dion2", "nordion2")}
+    _check(results, 8)
 
 
 def test_a_wrong_slice_on_one_rank_fails():

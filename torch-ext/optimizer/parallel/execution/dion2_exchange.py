@@ -27,12 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..planning.dion2_exchange import other_length
-from ..planning.dion2_selection import SliceMap, UnitExchange
+from ..planning.dion2_selection import SliceMap
 from .dion2_selection import LocalSelection, SelectionPlan
 
-__all__ = ["ChosenCounts", "Positions", "chosen_positions", "owner_positions", "read_chosen_counts", "slice_major",
-           "to_bytes", "from_bytes", "exchange_bytes"]
+__all__ = ["ChosenCounts", "Positions", "chosen_positions", "chosen_where", "exchange_bytes", "from_bytes",
+           "owner_positions", "read_chosen_counts", "slice_major", "to_bytes"]
 
 
 def slice_major(t: Tensor, dim: int, batch: int) -> Tensor:
@@ -163,7 +162,3 @@ def exchange_bytes(parts: list[Tensor], send_sizes: list[int], recv_sizes: list[
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     work = dist.all_to_all_single(recv, send, list(recv_sizes), list(send_sizes), group=group, async_op=True)
     return recv, work
-
-
-def member_length(u: UnitExchange, j: int) -> int:
-    return other_length(u.maps[j])

@@ -20,7 +20,7 @@ from typing import Sequence
 from ...distributed.placements import block_shape
 from .dion2_selection import ExchangePlan, SliceMap, UnitExchange
 
-__all__ = ["UnitWire", "other_length", "message_bytes", "split_sizes"]
+__all__ = ["UnitWire", "message_bytes", "other_length", "owned_in_order", "split_sizes"]
 
 
 def other_length(smap: SliceMap) -> int:
