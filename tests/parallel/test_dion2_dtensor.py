@@ -130,21 +130,71 @@ class RefRecorder:
         return sel
 
 
+class OwnerRecorder:
+    """Records the submatrix each owner hands Newton–Schulz (``dion2_step._orthogonalize``'s input),
+    with the parameter it belongs to and the global matrices (experts) it holds."""
+
+    def __init__(self):
+        from optimizer.parallel.execution import dion2_step
+
+        self.module, self.seen, self.current = dion2_step, [], None
+        self.originals = (dion2_step._orthogonalize, dion2_step._PatternStep._owner_stage)
+
+    def __enter__(self):
+        orth, stage = self.originals
+
+        def owner_stage(step, ui, u, received):
+            smap = u.maps[step.plan.me]
+            leads = [tuple(i) for i in itertools.product(*(_as_list(ix) for ix in smap.indices[:-2]))]
+            self.current = (step.pattern.params[ui], leads)
+            return stage(step, ui, u, received)
+
+        def orthogonalize(fn, x, whole_batch):
+            self.seen.append((*self.current, x.clone()))
+            return orth(fn, x, whole_batch)
+
+        self.module._orthogonalize, self.module._PatternStep._owner_stage = orthogonalize, owner_stage
+        return self
+
+    def __exit__(self, *exc):
+        self.module._orthogonalize, self.module._PatternStep._owner_stage = self.originals
+
+
+def _submatrices_equal(step, seen, accumulated, ref_chosen, options) -> list[tuple]:
+    """Each owner's submatrix against the one written here from the whole accumulated momentum
+    ``M + G`` (as stored): its chosen slices in ascending global order, fp32, bit for bit."""
+    from optimizer.dion2.rule import take_slices
+
+    flags = []
+    for i, leads, x in seen:
+        if not leads:  # a shard group holding none of a stack's experts
+            continue
+        chosen, dim = ref_chosen[i]["chosen"], ref_chosen[i]["dim"]
+        m = accumulated[i].mT if options.get("muon_transposed") else accumulated[i]
+        want = torch.stack([take_slices(m[lead], torch.tensor(chosen[lead]), dim) for lead in leads]).float()
+        flags.append((step, i, leads, bool(torch.equal(x.reshape(want.shape), want))))
+    return flags
+
+
 def _run_layout(rank, world, mesh_shape, placement_names, shapes, options, broken):
     mesh = init_device_mesh("cpu", mesh_shape)
     pls = [parse_placement(p) for p in placement_names]
     dts, whole, opt, ref = _optimizers(mesh, pls, shapes, options)
     rec = Recorder(broken and rank == 1)
     ref_rec = RefRecorder()
-    out = {"equal": [], "chosen": [], "ref_chosen": []}
+    out = {"equal": [], "chosen": [], "ref_chosen": [], "submatrix": []}
     for step in range(STEPS):
         grads = [_full(p.shape, 100 * step + i + 50) for i, p in enumerate(whole)]
         for p, w, g in zip(dts, whole, grads):
             p.grad = make_dtensor(g, mesh, pls)
             w.grad = g.clone()
+        before = [ref.state[w]["momentum_buffer"] if "momentum_buffer" in ref.state[w] else
+                  torch.zeros_like(w, dtype=options.get("momentum_dtype", torch.float32)) for w in whole]
+        accumulated = [(b.float() + g).to(b.dtype) for b, g in zip(before, grads)]  # M + G, rounded once as stored
         rec.module.select_local = rec
         try:
-            opt.step()
+            with OwnerRecorder() as owners:
+                opt.step()
         finally:
             rec.module.select_local = rec.original
         ref_rec.module.choose_slices = ref_rec
@@ -152,6 +202,7 @@ def _run_layout(rank, world, mesh_shape, placement_names, shapes, options, broke
             ref.step()
         finally:
             ref_rec.module.choose_slices = ref_rec.original
+        out["submatrix"] += _submatrices_equal(step, owners.seen, accumulated, ref_rec.chosen[-len(whole):], options)
     for p, w in zip(dts, whole):
         got, want = opt.state[p], ref.state[w]
         pairs = [(full_of(p.detach()), w.detach())] + [(full_of(got[k]), want[k]) for k in sorted(want)]
@@ -179,6 +230,7 @@ def _check(results, world):
         for rank, res in enumerate(results):
             r = res[key]
             assert all(all(flags) for flags in r["equal"]), (key, rank, r["equal"])
+            assert all(flag for *_, flag in r["submatrix"]), (key, rank)  # the owner's submatrix, index by index
             assert len(r["chosen"]) == len(r["ref_chosen"]) == STEPS * len(layout_shapes(world, key[0])), key
             for got, want in zip(r["chosen"], r["ref_chosen"]):  # (b): the single-device step's slices
                 assert got["dim"] == want["dim"], (key, rank)
@@ -186,6 +238,10 @@ def _check(results, world):
                     assert mine == [g for g in got["slices"] if g in want["chosen"][lead]], (key, rank, lead)
                 if got["owner"] is not None:  # the owner's whole choice
                     assert got["owner"] == {lead: want["chosen"][lead] for lead in got["owner"]}, (key, rank)
+        covered = {(t, i, lead) for res in results for t, i, leads, _ in res[key]["submatrix"] for lead in leads}
+        for t, want in enumerate(results[0][key]["ref_chosen"]):  # an owner orthogonalised every matrix
+            assert all((t // len(layout_shapes(world, key[0])), t % len(layout_shapes(world, key[0])), lead) in covered
+                       for lead in want["chosen"]), (key, t)
         for t in range(len(results[0][key]["ref_chosen"])):  # together the ranks hold every chosen slice
             want = results[0][key]["ref_chosen"][t]["chosen"]
             for lead, ks in want.items():
