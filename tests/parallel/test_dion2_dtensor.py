@@ -40,6 +40,8 @@ VARIANTS = {
     "nordion2": dict(dion2_fraction=0.25, normuon_beta2=0.9, weight_decay=0.1, dion2_ef_decay=0.8),
     "bf16_cautious": dict(dion2_fraction=0.3, momentum_dtype=torch.bfloat16, cautious_wd=True, weight_decay=0.2),
     "transposed": dict(dion2_fraction=0.25, muon_transposed=True, weight_decay=0.1),
+    # bf16 weights (the arithmetic and the update in bf16), NorDion2 (its v in fp32 beside bf16 rows)
+    "bf16_weights": dict(dion2_fraction=0.3, normuon_beta2=0.9, weight_decay=0.1, param_dtype=torch.bfloat16),
 }
 STEPS = 3
 
@@ -56,14 +58,16 @@ def layouts(world: int) -> list[tuple[str, tuple[int, ...], list[str], list]]:
     return out
 
 
-def _full(shape, seed: int) -> torch.Tensor:
+def _full(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(torch.float32)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
 def _optimizers(mesh, placements, shapes, options):
-    dts = [Parameter(make_dtensor(_full(s, i), mesh, placements)) for i, s in enumerate(shapes)]
-    whole = [Parameter(_full(s, i)) for i, s in enumerate(shapes)]
+    dtype = options.get("param_dtype", torch.float32)
+    options = {k: v for k, v in options.items() if k != "param_dtype"}
+    dts = [Parameter(make_dtensor(_full(s, i, dtype), mesh, placements)) for i, s in enumerate(shapes)]
+    whole = [Parameter(_full(s, i, dtype)) for i, s in enumerate(shapes)]
     names = [f"w{i}" for i in range(len(shapes))]
     make = lambda ps: Muon([{"params": ps, "param_names": names, "use_muon": True, **options}], lr=0.05)  # noqa: E731
     return dts, whole, make(dts), make(whole)
@@ -171,7 +175,7 @@ def _submatrices_equal(step, seen, accumulated, ref_chosen, options) -> list[tup
             continue
         chosen, dim = ref_chosen[i]["chosen"], ref_chosen[i]["dim"]
         m = accumulated[i].mT if options.get("muon_transposed") else accumulated[i]
-        want = torch.stack([take_slices(m[lead], torch.tensor(chosen[lead]), dim) for lead in leads]).float()
+        want = torch.stack([take_slices(m[lead], torch.tensor(chosen[lead]), dim) for lead in leads]).to(x.dtype)
         flags.append((step, i, leads, bool(torch.equal(x.reshape(want.shape), want))))
     return flags
 
@@ -184,12 +188,12 @@ def _run_layout(rank, world, mesh_shape, placement_names, shapes, options, broke
     ref_rec = RefRecorder()
     out = {"equal": [], "chosen": [], "ref_chosen": [], "submatrix": []}
     for step in range(STEPS):
-        grads = [_full(p.shape, 100 * step + i + 50) for i, p in enumerate(whole)]
+        grads = [_full(p.shape, 100 * step + i + 50, p.dtype) for i, p in enumerate(whole)]
         for p, w, g in zip(dts, whole, grads):
             p.grad = make_dtensor(g, mesh, pls)
             w.grad = g.clone()
         before = [ref.state[w]["momentum_buffer"] if "momentum_buffer" in ref.state[w] else
-                  torch.zeros_like(w, dtype=options.get("momentum_dtype", torch.float32)) for w in whole]
+                  torch.zeros_like(w, dtype=options.get("momentum_dtype", w.dtype)) for w in whole]
         accumulated = [(b.float() + g).to(b.dtype) for b, g in zip(before, grads)]  # M + G, rounded once as stored
         rec.module.select_local = rec
         try:
