@@ -37,7 +37,7 @@ from ...dion2 import rule as dion2_rule
 from ...matrix_view import local_matrix, view_placements, view_shape
 from ...rule import apply_update_, normuon_normalize
 from ...tensors import local_view
-from ..planning.dion2_exchange import UnitWire, message_bytes, other_length, owned_in_order, split_sizes
+from ..planning.dion2_exchange import UnitWire, other_length, owned_in_order, split_sizes
 from .dion2_exchange import (ChosenCounts, Positions, chosen_positions, chosen_where, exchange_bytes, from_bytes,
                              owner_positions, read_chosen_counts, slice_major, to_bytes)
 from .dion2_selection import LocalSelection, SelectionPattern, SelectionPlan, plan_selection_for, select_local
