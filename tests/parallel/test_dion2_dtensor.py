@@ -448,3 +448,33 @@ def _mixed_rank(rank, world):
 def test_dion2_beside_muon_and_adamw_groups():
     for out in run_ranks(_mixed_rank, 2, timeout=120):
         assert all(out.values()), out
+
+
+def _groups_rank(rank, world):
+    """Dion2 groups with different fractions, NorDion2 beside Dion2 and a Muon group, one optimizer,
+    FSDP 2 x TP 2: one selection plan for all (per-parameter fraction and rows), each as alone."""
+    from optimizer import Muon
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    pls = [parse_placement(p) for p in ["S0", "S1"]]
+    shapes = [(6, 20), (20, 6), (12, 12), (16, 16)]
+    dts = [Parameter(make_dtensor(_full(s, i), mesh, pls)) for i, s in enumerate(shapes)]
+    whole = [Parameter(_full(s, i)) for i, s in enumerate(shapes)]
+    make = lambda ps: Muon([{"params": ps[:1], "use_muon": True, "dion2_fraction": 0.25},  # noqa: E731
+                            {"params": ps[1:2], "use_muon": True, "dion2_fraction": 0.5, "normuon_beta2": 0.9},
+                            {"params": ps[2:3], "use_muon": True},
+                            {"params": ps[3:], "use_muon": True, "dion2_fraction": 1.0}], lr=0.05, weight_decay=0.1)
+    opt, ref = make(dts), make(whole)
+    for step in range(STEPS):
+        for i, (p, w) in enumerate(zip(dts, whole)):
+            g = _full(w.shape, 100 + i + 10 * step)
+            p.grad = make_dtensor(g, mesh, pls)
+            w.grad = g.clone()
+        opt.step()
+        ref.step()
+    return [bool(torch.equal(full_of(p.detach()), w.detach())) for p, w in zip(dts, whole)]
+
+
+def test_groups_with_different_fractions():
+    for out in run_ranks(_groups_rank, 4, timeout=240):
+        assert out == [True] * 4, out
