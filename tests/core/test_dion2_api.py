@@ -389,8 +389,6 @@ def _dtensor_in_a_dion2_group(rank, world_size):
     w = Parameter(distribute_tensor(torch.ones(8, 6), mesh, [Shard(0)]))
     v = Parameter(distribute_tensor(torch.ones(6), mesh, [Shard(0)]))
     out = {}
-    import optimizer.dion2.checks as dion2_checks
-    dion2_checks._WARNED_GATHERED.clear()  # a forked rank may inherit the parent's flag
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for name, call in {"muon": lambda: Muon([{"params": [w], "param_names": ["w"], "use_muon": True}],
@@ -401,8 +399,8 @@ def _dtensor_in_a_dion2_group(rank, world_size):
                 out[name] = None
             except ValueError as err:
                 out[name] = str(err)
-    # what it costs today is said once per process, naming the parameter
-    out["warnings"] = [str(c.message) for c in caught if "Dion2 group" in str(c.message)]
+    # the chosen slices alone travel (docs/dion2.md): nothing to warn about
+    out["warnings"] = [str(c.message) for c in caught if "Dion2" in str(c.message) or "DTensor" in str(c.message)]
     # made a DTensor after construction (accelerate's FSDP2 idiom): steps as the same weight held whole
     late = Muon([{"params": [Parameter(torch.ones(8, 6))], "param_names": ["w"], "use_muon": True}],
                 dion2_fraction=0.25)
@@ -440,8 +438,7 @@ def test_a_dtensor_in_a_dion2_group_is_taken():
         for name in ("muon", "dion2"):
             assert out[name] is None, out[name]
         assert out["late"] is None and out["late as whole"], out["late"]
-        assert len(out["warnings"]) == 1 and "parameter 'w' is a DTensor" in out["warnings"][0], out["warnings"]
-        assert "S/2 times Muon's bytes" in out["warnings"][0]
+        assert out["warnings"] == [], out["warnings"]  # no "gathered path" warning any more
         assert out["sub-mesh"] is not None and "do not include distributed_mesh's [0, 1]" in out["sub-mesh"]
         # Lion with weight decay 0.01, lr 0.01: 1 * (1 - 1e-4) - 0.01 * sign(0.05 * 2)
         assert out["lion"] == pytest.approx([1 - 1e-4 - 0.01] * 6, abs=1e-7)

@@ -45,6 +45,10 @@ def _specs(case: str, copies: int):
                                 ("layers.{i}.attention.wq.weight", Q, ["S0"]),
                                 ("layers.{i}.attention.wk.weight", K, ["S0"])]),
         # Newton–Schulz split over the shard group (ns_split="always"): wide, tall, experts
+        # Dion2: every member holds a piece of every slice (a tall matrix's columns, a wide Shard(1)'s rows)
+        "dion2_static": ((4,), [("layers.{i}.attention.wq.weight", Q, ["S0"]), ("layers.{i}.ffn.w1.weight", (10, 12), ["S1"])]),
+        # NorDion2 selects rows: static where every member holds a piece of every row (Shard(1))
+        "rows_static": ((4,), [("layers.{i}.attention.wq.weight", Q, ["S1"]), ("layers.{i}.ffn.w1.weight", (10, 12), ["S1"])]),
         "ns_split": ((4,), [("layers.{i}.attention.wq.weight", Q, ["S0"]),
                             ("layers.{i}.attention.wk.weight", K, ["S0"]),
                             ("layers.{i}.ffn.w1.weight", (40, 12), ["S0"]), ("layers.{i}.moe.w1", (2, 8, 24), ["S1"])]),
@@ -108,6 +112,23 @@ def test_one_host_read_per_step_whatever_the_number_of_parameters(case, qk, skip
             assert (split_units > 0) == (case == "ns_split")
         if case == "expert_moves" and copies == 3:  # 15 experts on 4 ranks held 6, 6, 3, 0: some move
             assert sum(moved for *_, moved in results) > 0
+
+
+@pytest.mark.parametrize("case, split, options", [
+    ("fsdp", True, None), ("fsdp_tp", True, None), ("experts", True, None), ("hsdp_split", True, None),
+    ("dion2_static", False, None), ("fsdp_tp", True, dict(normuon_beta2=0.9, cautious_wd=True)),
+    ("rows_static", False, dict(normuon_beta2=0.9, momentum_dtype=torch.bfloat16)),
+    ("dion2_static", True, dict(normuon_beta2=0.9)),  # NorDion2's rows of the tall Shard(0) matrix are split
+], ids=lambda x: "variants" if isinstance(x, dict) else None)
+def test_dion2_reads_its_chosen_counts_once_where_a_selection_dim_is_split(case, split, options):
+    """Dion2 groups (issue 40, the lead's decision 1): the agreement's read, plus one read of the
+    step's chosen counts (all parameters at once) where some matrix's selection dim is split over
+    its shard group (wide Shard(0) rows); none more elsewhere; whatever the number of parameters."""
+    for copies in (1, 3):
+        results = run_ranks(_watch_step, 4, case, copies, False, True, dict(dion2_fraction=0.25, **(options or {})),
+                            timeout=120)
+        for events, *_ in results:
+            assert events == ["tolist"] * (2 if split else 1), (case, copies, events)
 
 
 def test_the_recorder_sees_what_it_must():

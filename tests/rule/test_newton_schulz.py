@@ -274,3 +274,18 @@ def test_large_matrices_take_the_symmetric_path_and_match_the_plain_iteration(me
     got = zeropower_via_newtonschulz(G, ns_steps=5, compute_dtype=torch.float32, method=method)
     for e in range(2):
         torch.testing.assert_close(got[e].double(), _plain_quintic(G[e], 5), rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_output_dtype_is_what_it_returns(compute_dtype):
+    """``NewtonSchulz.output_dtype`` (Dion2's owners return updates in it; every member computes it
+    from the shape alone) is the dtype ``zeropower_via_newtonschulz`` returns, for every input dtype,
+    form and shape (wide, tall, square, batched: the Gram form's choice depends on the shape)."""
+    from optimizer.newton_schulz.group import NewtonSchulz
+
+    for method in ("classic", "gram", "auto"):
+        ns = NewtonSchulz(5, "polar_express", method, 1e-7, compute_dtype)
+        for shape in [(4, 16), (16, 4), (6, 6), (2, 3, 12), (3, 12, 3)]:
+            for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+                x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+                assert ns.output_dtype(shape, dtype, x.device) == ns(x).dtype, (method, shape, dtype, compute_dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .dion2.checks import dion2_param_problem, warn_gathered
+from .dion2.checks import dion2_param_problem
 from .tensors import is_dtensor
 
 
@@ -38,8 +38,6 @@ def check_group_params(group: dict, names: list[str], where: str = "its group") 
             problem = dion2_param_problem(name, p, where)
             if problem:
                 raise ValueError(problem)
-            if is_dtensor(p):
-                warn_gathered(name)
         if group["use_muon"] and p.dim() < 2:
             raise ValueError(
                 f"Muon: parameter '{name}' has shape {tuple(p.shape)} but is in a Muon group; Muon "

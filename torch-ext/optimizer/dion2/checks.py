@@ -7,7 +7,6 @@ never with a split Newton–Schulz (``docs/dion2.md``)."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -66,22 +65,6 @@ def dion2_errors(entries: Sequence[NamedParam], groups: Sequence[Mapping]) -> tu
             if p and p not in errors:
                 errors.append(p)
     return blocks, errors
-
-
-#: what a Dion2 group of DTensors costs today, said once per process (:func:`warn_gathered`)
-GATHERED_NOTE = ("gathers each whole momentum on every rank of its shard group, and every rank orthogonalises "
-                 "every chosen submatrix: about S/2 times Muon's bytes on S ranks, not the fraction's share; the "
-                 "path that moves only the chosen slices is not built yet (docs/dion2.md). On large meshes keep "
-                 "such weights in a Muon group (dion2_fraction=None)")
-_WARNED_GATHERED: list[bool] = []
-
-
-def warn_gathered(name: str) -> None:
-    """Say once per process what a DTensor in a Dion2 group costs today (:data:`GATHERED_NOTE`)."""
-    if not _WARNED_GATHERED:
-        _WARNED_GATHERED.append(True)
-        warnings.warn(f"Muon: parameter '{name}' is a DTensor in a Dion2 group: Dion2 on DTensors {GATHERED_NOTE}",
-                      UserWarning, stacklevel=4)
 
 
 def dion2_param_problem(name: str, param: torch.Tensor, where: str) -> str | None:

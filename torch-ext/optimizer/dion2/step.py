@@ -1,9 +1,10 @@
-"""The Dion2 half of a step: tensors held whole by the rule, DTensors gathered (``parallel/execution/dion2_step.py``).
+"""The Dion2 half of a step: tensors held whole by the rule, DTensors by the owner of their chosen slices.
 
 Every parameter of a Dion2 group (a ``use_muon`` group with ``dion2_fraction``; NorDion2 with
 ``normuon_beta2`` too) held whole is stepped by ``dion2_rule.dion2_step_`` on the whole matrix it
-holds; a DTensor parameter by ``parallel/execution/dion2_step.py`` (the whole momentum gathered,
-every rank stepping its own piece exactly as one device steps the whole; ``docs/dion2.md``).
+holds; the DTensor parameters all together by ``parallel/execution/dion2_step.py`` (the exact
+selection, only the chosen slices travelling to an owner and back, every rank stepping its own
+piece exactly as one device steps the whole; ``docs/dion2.md``).
 
 What the step reads of a group is Muon's: the momentum buffer (``momentum_buffer``, in
 ``momentum_dtype``), NorMuon's ``normuon_v`` (``normuon_beta2``), ``lr`` and ``adjust_lr`` (of the
@@ -30,7 +31,7 @@ from ..newton_schulz.group import NewtonSchulz  # Newton–Schulz's one entry po
 from ..newton_schulz.implementation import Implementation
 from ..rule import adjust_lr, normuon_on, work_dtype
 from ..settings import GROUP_OPTIONS, MuonSettings
-from ..parallel.execution.dion2_step import dion2_dtensor_step_
+from ..parallel.execution.dion2_step import Dion2Item, dion2_dtensor_update_
 from ..qk_clip.step import apply_clip_
 from ..row_blocks import RowBlocks
 from ..step.muon_update import momentum_buffers, row_states
@@ -56,16 +57,18 @@ def dion2_update(entries: Sequence[NamedParam], groups: Sequence[Mapping], imple
     views = [e.transposed for e in entries]
     bufs = momentum_buffers(params, groups, state)
     rows = row_states(params, groups, views, state)
+    distributed = []
     for e, group, implementation, buf, v, b in zip(entries, groups, implementations, bufs, rows, blocks):
         options = _options(e, group, implementation, settings)
-        if is_dtensor(e.param):  # every rank of its mesh steps it here, in the agreed order
+        if is_dtensor(e.param):  # every rank of its mesh steps it below, all together, in the agreed order
             entry = state[e.param]
-            dion2_dtensor_step_(e.param, entry[MOMENTUM_KEY], entry.get(ROW_STATE_KEY) if v is not None else None,
-                                transposed=e.transposed, **options)
+            distributed.append(Dion2Item(e.param, entry[MOMENTUM_KEY],
+                                         entry.get(ROW_STATE_KEY) if v is not None else None, e.transposed, options))
         elif b is not None:
             _step_blocks(e, local_matrix(buf, e.transposed), v, b, group, options)
         else:
             _step_one(e, local_matrix(buf, e.transposed), v, options)
+    dion2_dtensor_update_(distributed)
     if clips is not None:
         clip_updated_(entries, clips)
 

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .cut import split_zeropower_via_newtonschulz
 from .implementation import Implementation
-from .whole import zeropower_via_newtonschulz
+from .whole import zeropower_output_dtype, zeropower_via_newtonschulz
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,11 @@ class NewtonSchulz:
         return zeropower_via_newtonschulz(x, ns_steps=self.ns_steps, coefficients=self.coefficients, eps=self.eps,
                                           compute_dtype=self.compute_dtype, method=self.method,
                                           ns_kernels=self.implementation)
+
+    def output_dtype(self, shape: Sequence[int], input_dtype: torch.dtype, device) -> torch.dtype:
+        """What ``self(x)`` returns for ``x`` of ``shape`` and ``input_dtype`` on ``device``."""
+        return zeropower_output_dtype(shape, input_dtype, self.ns_steps, self.coefficients, self.compute_dtype,
+                                      self.method, device)
 
     def split(self, x: Tensor, widths: Sequence[int], group) -> Tensor:
         """This rank's column block of ``self(whole)``, the matrix's column blocks (``widths``, in

@@ -56,6 +56,17 @@ def zeropower_via_newtonschulz(
                                implementation_for_call(ns_kernels, G.device, dtype))
 
 
+def zeropower_output_dtype(shape: Sequence[int], input_dtype: torch.dtype, ns_steps: int = 5,
+                           coefficients: CoefficientSpec = "fixed", compute_dtype: torch.dtype | None = None,
+                           method: str = "auto", device: torch.device | str | None = None) -> torch.dtype:
+    """The dtype :func:`zeropower_via_newtonschulz` returns for an input of ``shape`` and
+    ``input_dtype`` with these options, without running it (pure: a rank that receives another
+    rank's result knows its dtype; Dion2's owners send their submatrices' updates so)."""
+    steps = resolve_ns_coefficients(coefficients, ns_steps)
+    _, dtype = choose_ns_form(tuple(shape), ns_steps, method, compute_dtype, steps, device)
+    return ns_io_dtype(input_dtype, dtype)
+
+
 def zeropower_with_plan(G: Tensor, steps: Sequence[Coefficients], dtype: torch.dtype, plan: Sequence[int] | None,
                         norm_safety: float, eps: float, implementation: Implementation = ON_TORCH) -> Tensor:
     """The iteration on G in ``dtype``: the Gram form with restart ``plan``, or the classic form

@@ -34,7 +34,8 @@ from ..planning.dion2_selection import ExchangePlan, SliceMap, UnitExchange, exc
 
 MASK_DTYPE = torch.uint8
 
-__all__ = ["LocalSelection", "SelectionPlan", "plan_selection", "read_counts", "select_slices"]
+__all__ = ["LocalSelection", "SelectionPlan", "plan_selection", "plan_selection_for", "read_counts", "select_local",
+           "select_slices"]
 
 
 @dataclass
@@ -91,18 +92,34 @@ def plan_selection(momenta: Sequence[DTensor], fraction: float, rows_only: bool 
     layouts = [ParamLayout(tuple(m.shape), MeshGrid.of(m.device_mesh), tuple(m.placements)) for m in momenta]
     union = sorted({r for lay in layouts for r in lay.grid.ranks})
     create_collectively(rank_sets_needed([(lay, m.device_mesh) for lay, m in zip(layouts, momenta)], union))
+    meshes = [m.device_mesh for m in momenta]
+    return _plan(layouts, meshes, [fraction] * len(momenta), [rows_only] * len(momenta))
+
+
+def plan_selection_for(specs: Sequence[tuple], fractions: Sequence[float], rows_only: Sequence[bool]) -> SelectionPlan:
+    """:func:`plan_selection` for matrices described by ``(global shape, placements, DeviceMesh)``
+    (a ``muon_transposed`` weight's view: ``matrix_view.view_shape``/``view_placements``), each
+    with its own fraction and ``rows_only``, on the process groups that already exist (``Muon``
+    creates every shard group its DTensor matrices need when it is built): no collective, so a
+    step can plan at its first call.  Raises RuntimeError if a group is missing."""
+    layouts = [ParamLayout(tuple(shape), MeshGrid.of(mesh), tuple(pl)) for shape, pl, mesh in specs]
+    return _plan(layouts, [mesh for *_, mesh in specs], list(fractions), list(rows_only))
+
+
+def _plan(layouts: list[ParamLayout], meshes: list, fractions: list[float], rows_only: list[bool]) -> SelectionPlan:
     keyed: dict[tuple, list[int]] = {}
     for i, lay in enumerate(layouts):
         keyed.setdefault((lay.grid, lay.matrix_dims), []).append(i)
     rank = dist.get_rank()
-    patterns, maps = [], [None] * len(momenta)
+    patterns, maps = [], [None] * len(layouts)
     for (grid, matrix_dims), members in keyed.items():
         first = layouts[members[0]]
         ranks = first.shard_group(grid.coordinate(rank))
-        group = group_for(ranks, momenta[members[0]].device_mesh, matrix_dims)
+        group = group_for(ranks, meshes[members[0]], matrix_dims)
         order = dist.get_process_group_ranks(group) if group is not None else [rank]
         plan = exchange_plan([(layouts[i].shape, layouts[i].placements) for i in members], grid.shape,
-                             [grid.coordinate(r) for r in order], order.index(rank), fraction, rows_only)
+                             [grid.coordinate(r) for r in order], order.index(rank),
+                             [fractions[i] for i in members], [rows_only[i] for i in members])
         for u in plan.units:
             maps[members[u.param]] = u.maps[plan.me]
         patterns.append(SelectionPattern(group, plan, tuple(members)))
@@ -212,16 +229,22 @@ def select_slices(sel: SelectionPlan, momenta: Sequence[DTensor]) -> list[LocalS
         if tuple(m.shape) != shape or tuple(m.placements) != placements:
             raise ValueError(f"select_slices: momenta[{i}] is {tuple(m.shape)} {tuple(m.placements)}, planned as "
                              f"{shape} {placements}: plan again (plan_selection) after a reshard")
+    return select_local(sel, [m.to_local() for m in momenta])
+
+
+def select_local(sel: SelectionPlan, locals_: Sequence[Tensor]) -> list[LocalSelection]:
+    """:func:`select_slices` from the local pieces (``[*local leading, rows, columns]``, as planned:
+    a transposed weight's piece as its view), in the planned order (collective; no host read)."""
     pending = []
     for pattern in sel.patterns:
-        locals_ = [momenta[i].to_local() for i in pattern.params]
-        pending.append((pattern, locals_, _select_pattern(pattern, sel, locals_)))
-    started = [(pattern, locals_, finish()) for pattern, locals_, finish in pending]
-    out: list[LocalSelection | None] = [None] * len(momenta)
-    for pattern, locals_, (chosen, got, work) in started:
+        mine = [locals_[i] for i in pattern.params]
+        pending.append((pattern, mine, _select_pattern(pattern, sel, mine)))
+    started = [(pattern, mine, finish()) for pattern, mine, finish in pending]
+    out: list[LocalSelection | None] = [None] * len(locals_)
+    for pattern, mine, (chosen, got, work) in started:
         if work is not None:
             work.wait()
-        for u, mask in zip(pattern.plan.units, _unpack_masks(pattern.plan, got, locals_)):
+        for u, mask in zip(pattern.plan.units, _unpack_masks(pattern.plan, got, mine)):
             out[pattern.params[u.param]] = LocalSelection(mask, mask.sum(dim=-1), chosen.get(u.param))
     return out
 

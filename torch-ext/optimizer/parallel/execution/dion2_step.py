@@ -1,128 +1,314 @@
-"""Dion2 and NorDion2 for DTensor parameters: the first version, exact on every placement (collective).
+"""Dion2 and NorDion2 for DTensor parameters: only the chosen slices travel, to one owner and back (collective).
 
-Each Dion2 DTensor parameter (``docs/dion2.md``, "Built: DTensor parameters, gathered") is
-stepped as single-device Dion2 steps its whole tensor, bit for bit:
+Every Dion2 DTensor parameter of a step (``docs/dion2.md``, "Built: DTensor parameters") is stepped
+as single-device Dion2 steps its whole tensor, bit for bit, while the wire carries only the chosen
+slices (and the selection's ``O(s)`` norms and masks):
 
-1. ``M <- M + G`` on every rank's local piece (elementwise, so the same bits as on one device);
-2. every member of the shard group gathers the whole momentum (:func:`gather_whole`: one
-   all-gather per sharding mesh dim; a replica dim moves nothing) and NorDion2's ``v``;
-3. every rank chooses the top ``k`` on the gathered matrix (``dion2_rule.choose_slices``, the
-   global shape's dim, per expert of a stack), orthogonalises the ``k``-slice submatrix with the
-   group's Newton–Schulz and normalises it (NorDion2): identical inputs, identical arithmetic, so
-   every rank holds the same selection and update, and no rank can disagree about a collective;
-4. every rank keeps its own piece (``distributed.placements.local_indices``): the weight decays
-   everywhere and moves by the update on its chosen slices, its momentum's chosen slices decay by
-   ``ef_decay``, its rows of ``v`` take the new values.
+1. ``M <- M + G`` on every rank's local piece (elementwise: the bits one device computes);
+2. the exact selection (``dion2_selection.select_local``: fp64 partial norms to each unit's owner,
+   the top ``k`` per matrix there, masks back), planned once per set of parameters and layouts
+   (:func:`selection_plan`, no collective: ``Muon`` created the shard groups when it was built);
+3. one host read of the chosen counts, only where a unit's selection dim is split over its members
+   (``dion2_exchange.read_chosen_counts``; the lead's decision 1);
+4. per shard group one ``all_to_all_single`` carries each member's pieces of its chosen slices (and
+   NorDion2's ``v`` of those rows) to the unit's owner, which assembles the ``k``-slice submatrix in
+   ascending global order (``dion2_exchange``), orthogonalises it with the group's Newton–Schulz,
+   normalises it (NorDion2), and one more returns each member exactly its pieces of the update;
+5. every member updates its own piece: weight decay everywhere (cautious where ``W D >= 0``, ``D``
+   zero off the chosen slices), the update on its chosen slices, ``ef_decay`` on its chosen
+   momentum slices (rounded once as stored), its rows of ``v``.
 
-What it moves: the whole momentum to every member, ``P w (S - 1) / S`` received per rank
-(``S`` members, ``P`` entries, ``w`` bytes each), where Muon moves ``2 P w (S - 1) / S`` in
-total over the group: ``S / 2`` times Muon's bytes (equal at ``S = 2``), and every rank
-orthogonalises every Dion2 submatrix.  Only the chosen slices travelling (the design's steps 6-7,
-with ``parallel/execution/dion2_selection.py``'s exact selection) is the next step.
+Experts held whole by one rank (a shard group of one) select and orthogonalise locally, with no
+collective.  Under HSDP each replica's shard group runs the same step on identical inputs (Muon's
+``replica_split``, ``distributed_mode``, ``chunk_size`` and ``lookahead`` do not apply to Dion2).
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ...dion2 import rule as dion2_rule
-from ...distributed.placements import as_indexer, block_shape, is_shard, local_indices, numel_for_rank
-from ...matrix_view import local_matrix
-from ...rule import apply_update_
+from ...matrix_view import local_matrix, view_placements, view_shape
+from ...rule import apply_update_, normuon_normalize
 from ...tensors import local_view
+from ..planning.dion2_exchange import UnitWire, other_length, owned_in_order, split_sizes
+from .dion2_exchange import (ChosenCounts, Positions, chosen_positions, chosen_where, exchange_bytes, from_bytes,
+                             owner_positions, read_chosen_counts, slice_major, to_bytes)
+from .dion2_selection import LocalSelection, SelectionPattern, SelectionPlan, plan_selection_for, select_local
 
-__all__ = ["dion2_dtensor_step_", "gather_whole", "local_piece"]
-
-
-def gather_whole(dt) -> Tensor:
-    """The global tensor of DTensor ``dt`` on every rank of its mesh (collective): one all-gather
-    per sharding mesh dim (over ``mesh.get_group(dim)``, in mesh order; a replica dim moves
-    nothing), every piece put where ``local_indices`` says it lives, bits unchanged.  Works for
-    every placement ``local_indices`` decodes, also the ``_StridedShard`` layouts whose
-    ``full_tensor()`` this torch release refuses."""
-    mesh, shape, placements = dt.device_mesh, tuple(dt.shape), tuple(dt.placements)
-    local = local_view(dt).contiguous()
-    sharded = [m for m, p in enumerate(placements) if is_shard(p)]
-    coords = [tuple(mesh.get_coordinate())]
-    width = _widest_piece(shape, tuple(mesh.shape), placements)
-    pieces = torch.zeros(1, max(1, width), dtype=local.dtype, device=local.device)
-    pieces[0, :local.numel()] = local.reshape(-1)
-    for m in sharded:  # after dim m, this rank holds the pieces of every coordinate along it
-        out = torch.empty(mesh.shape[m] * pieces.shape[0], pieces.shape[1], dtype=pieces.dtype, device=pieces.device)
-        group = mesh.get_group(m)
-        dist.all_gather_into_tensor(out, pieces, group=group)
-        along = [_coordinate_of(mesh, r)[m] for r in dist.get_process_group_ranks(group)]  # group rank order
-        coords = [c[:m] + (j,) + c[m + 1:] for j in along for c in coords]
-        pieces = out
-    full = torch.empty(shape, dtype=local.dtype, device=local.device)
-    for c, flat in zip(coords, pieces):
-        indices = _on(_indices(shape, tuple(mesh.shape), placements, c), full.device)
-        block = block_shape(indices)
-        full[as_indexer(indices)] = flat[:math.prod(block)].view(block)
-    return full
+__all__ = ["Dion2Item", "dion2_dtensor_update_", "selection_plan"]
 
 
-@functools.lru_cache(maxsize=4096)
-def _widest_piece(shape, mesh_shape, placements) -> int:
-    """The most entries any coordinate holds (pure; memoised: a step walks no mesh)."""
-    coords = itertools.product(*(range(int(k)) for k in mesh_shape))
-    return max(numel_for_rank(shape, mesh_shape, placements, c) for c in coords)
+@dataclass
+class Dion2Item:
+    """One Dion2 DTensor parameter of a step: the parameter (gradient set), its momentum and
+    NorDion2's ``v`` (DTensors; ``v`` None without NorDion2), whether it is read transposed, and
+    the rule's keywords (``dion2/step.py``'s ``_options``)."""
+
+    param: object
+    buf: object
+    v: object | None
+    transposed: bool
+    options: dict
+
+    def views(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The local pieces as Muon reads them: parameter, momentum ``[*leading, r, c]`` and ``v``
+        ``[*leading, r]`` (stored as the view's rows already)."""
+        p = local_matrix(local_view(self.param), self.transposed)
+        m = local_matrix(local_view(self.buf), self.transposed)
+        v = local_view(self.v).select(-1, 0) if self.v is not None else None
+        return p, m, v
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.options["dtype"] or torch.promote_types(self.param.dtype, self.buf.dtype)
 
 
-@functools.lru_cache(maxsize=4096)
-def _indices(shape, mesh_shape, placements, coordinate) -> tuple:
-    return local_indices(shape, mesh_shape, placements, coordinate)
+# ---------------------------------------------------------------------------- the plan, once
+
+_PLANS: dict[tuple, tuple[SelectionPlan, list]] = {}
+_PLANS_LIMIT = 64
 
 
-def _coordinate_of(mesh, rank: int) -> tuple[int, ...]:
-    return tuple(int(i) for i in (mesh.mesh == rank).nonzero()[0])
+def selection_plan(items: Sequence[Dion2Item]) -> SelectionPlan:
+    """The selection plan of ``items`` (as their ``muon_transposed`` views), memoised per process on
+    their shapes, placements, meshes, fractions and ``rows_only`` (the meshes are kept alive with
+    the plan, so their ids stay theirs).  No collective: every shard group exists already."""
+    key = (id(dist.group.WORLD), tuple(
+        (tuple(it.param.shape), tuple(it.param.placements), id(it.param.device_mesh), it.transposed,
+         it.options["fraction"], it.options["normuon_beta2"] is not None) for it in items))
+    hit = _PLANS.get(key)
+    if hit is None:
+        if len(_PLANS) >= _PLANS_LIMIT:
+            _PLANS.clear()
+        specs = [(view_shape(it.param.shape, it.transposed),
+                  view_placements(it.param.placements, it.param.dim(), it.transposed), it.param.device_mesh)
+                 for it in items]
+        plan = plan_selection_for(specs, [it.options["fraction"] for it in items],
+                                  [it.options["normuon_beta2"] is not None for it in items])
+        hit = _PLANS[key] = (plan, [it.param.device_mesh for it in items])
+    return hit[0]
 
 
-def _on(indices, device) -> tuple:
-    return tuple(i if isinstance(i, slice) else i.to(device) for i in indices)
+# ---------------------------------------------------------------------------- the step
 
 
-def local_piece(full: Tensor, like) -> Tensor:
-    """This rank's piece of ``full`` (a whole tensor of ``like``'s global shape), laid out as
-    ``like.to_local()`` is (``like`` a DTensor; ``local_indices`` decodes ``Shard``,
-    ``_StridedShard``, uneven and empty pieces)."""
-    mesh = like.device_mesh
-    coordinate = mesh.get_coordinate()
-    indices = _indices(tuple(like.shape), tuple(mesh.shape), tuple(like.placements), tuple(coordinate))
-    return full[as_indexer(_on(indices, full.device))]
+def dion2_dtensor_update_(items: Sequence[Dion2Item]) -> list[LocalSelection]:
+    """One Dion2 step of every item (collective over each item's shard group; every rank of the
+    items' meshes calls this with the same items in the same order), in place on the local pieces
+    of the parameters, momenta and ``v``.  Returns each item's selection on this rank."""
+    if not items:
+        return []
+    views = [it.views() for it in items]
+    for it in items:
+        dion2_rule.momentum_sum_(local_view(it.buf), local_view(it.param.grad), it.options["maximize"], it.dtype)
+    plan = selection_plan(items)
+    sels = select_local(plan, [m for _, m, _ in views])
+    wheres = {pattern.params[ui]: chosen_where(sels[pattern.params[ui]].chosen, u.maps[0].size)
+              for pattern in plan.patterns for ui, u in enumerate(pattern.plan.units) if u.owner == pattern.plan.me}
+    counts = read_chosen_counts(plan, sels, wheres)
+    mine = [chosen_positions(sels[i].mask.reshape(plan.maps[i].batch, plan.maps[i].count), counts.own[i])
+            for i in range(len(items))]
+    steps = [_PatternStep(pattern, plan, items, views, mine, counts, wheres) for pattern in plan.patterns]
+    for step in steps:
+        step.send_chosen()  # every group's pieces in flight before any owner waits
+    for i, (it, (_, m, _)) in enumerate(zip(items, views)):
+        _decay_chosen(m, plan.maps[i], mine[i], it.options["ef_decay"], it.dtype)
+    for step in steps:
+        step.own_and_return()
+    for step in steps:
+        step.apply()
+    return sels
 
 
-def dion2_dtensor_step_(param, buf, v, *, transposed: bool, fraction: float, ef_decay: float, lr, adjusted: float,
-                        weight_decay: float, orthogonalize, normuon_beta2: float | None = None,
-                        cautious: bool = False, maximize: bool = False,
-                        dtype: torch.dtype | None = None) -> dion2_rule.Selection:
-    """One Dion2 step of a DTensor ``param`` (gradient set, same placements) with its momentum
-    ``buf`` and NorDion2's ``v`` (DTensors, ``v`` None without NorDion2), in place on their local
-    pieces.  Collective over ``param``'s mesh (every rank of it calls this, in one order).
-    ``transposed``: the parameter is read as its ``muon_transposed`` view.  Returns the selection
-    (global indices along the view's dim), the same on every rank."""
-    dtype = dtype or torch.promote_types(param.dtype, buf.dtype)
-    dion2_rule.momentum_sum_(local_view(buf), local_view(param.grad), maximize, dtype)
-    full = gather_whole(buf)  # the whole momentum, as stored, on every member
-    view = local_matrix(full, transposed)
-    sel = dion2_rule.choose_slices(view, fraction, rows_only=normuon_beta2 is not None)
-    u = dion2_rule.take_slices(view, sel.indices, sel.dim).to(dtype)  # before the decay
-    dion2_rule.decay_chosen_(view, sel.indices, sel.dim, ef_decay, dtype)
-    o = orthogonalize(u) if u.numel() else u
-    if normuon_beta2 is not None and sel.indices.numel():
-        o, v_full = dion2_rule.normalize_chosen_rows(o, gather_whole(v), sel.indices, normuon_beta2)
-        local_view(v).copy_(local_piece(v_full, v))
-    update = torch.zeros(view.shape, dtype=o.dtype, device=full.device)
-    if sel.indices.numel():
-        dion2_rule.put_slices_(update, sel.indices, sel.dim, o)
-    local_view(buf).copy_(local_piece(full, buf))
-    mine = local_piece(local_matrix(update, transposed), param)
-    apply_update_(local_view(param), mine, lr, adjusted, weight_decay, cautious)
-    return sel
+def _decay_chosen(m: Tensor, smap, pos: Positions, ef_decay: float, dtype: torch.dtype) -> None:
+    """Error feedback on this rank's chosen momentum slices: ``M[K] <- ef_decay M[K]`` in ``dtype``,
+    rounded once as stored (``dion2_rule.decay_chosen_``'s arithmetic)."""
+    if pos.count == 0:
+        return
+    ms = slice_major(m, smap.dim, smap.batch)
+    ms[pos.matrix, pos.local] = ms[pos.matrix, pos.local].to(dtype).mul_(ef_decay).to(ms.dtype)
+
+
+def update_dtype(item: Dion2Item, smap, lead: Sequence[int]) -> torch.dtype:
+    """The dtype of the orthogonalised submatrix (what Newton–Schulz returns for it; the input's
+    when it is empty): every member computes it, so the update travels in it without a word."""
+    shape = view_shape(item.param.shape, item.transposed)
+    sub = (*lead, smap.k, shape[-1]) if smap.dim == -2 else (*lead, shape[-2], smap.k)
+    orth = item.options["orthogonalize"]
+    if smap.k == 0 or shape[-1] * shape[-2] == 0 or 0 in lead or not hasattr(orth, "output_dtype"):
+        return item.dtype
+    return orth.output_dtype(sub, item.dtype, local_view(item.param).device)
+
+
+class _PatternStep:
+    """Steps 4-5 for one shard group's units, from this rank's side (member, and owner of some)."""
+
+    def __init__(self, pattern: SelectionPattern, sel: SelectionPlan, items, views, mine: list[Positions],
+                 counts: ChosenCounts, wheres: dict[int, Tensor]):
+        self.pattern, self.plan, self.sel = pattern, pattern.plan, sel
+        self.items = [items[i] for i in pattern.params]
+        self.views = [views[i] for i in pattern.params]
+        self.mine = [mine[i] for i in pattern.params]
+        self.own = [counts.own[i] for i in pattern.params]
+        self.members = {(ui, j): counts.members[(i, j)] for ui, i in enumerate(pattern.params)
+                        for j in range(self.plan.members) if (i, j) in counts.members}
+        self.wheres = {ui: wheres[i] for ui, i in enumerate(pattern.params) if i in wheres}
+        self.device = self.views[0][1].device
+        self.lead = [tuple(m.shape[:-2]) for _, m, _ in self.views]
+        self.row_size = [v.element_size() if v is not None else 0 for _, _, v in self.views]
+        self.forward = [UnitWire(m.element_size(), r) for (_, m, _), r in zip(self.views, self.row_size)]
+        self.out_dtype = [update_dtype(it, u.maps[self.plan.me], lead)
+                          for it, u, lead in zip(self.items, self.plan.units, self.lead)]
+        self.back = [UnitWire(d.itemsize, r) for d, r in zip(self.out_dtype, self.row_size)]
+
+    # -- members: their chosen pieces to the owners
+
+    def send_chosen(self) -> None:
+        parts = []
+        for dest in range(self.plan.members):
+            for ui, u in owned_in_order(self.plan, dest):
+                _, m, v = self.views[ui]
+                pos, smap = self.mine[ui], u.maps[self.plan.me]
+                parts.append(to_bytes(slice_major(m, smap.dim, u.batch)[pos.matrix, pos.local]))
+                if v is not None:
+                    parts.append(to_bytes(v.view(u.batch, smap.count)[pos.matrix, pos.local]))
+        send, recv = split_sizes(self.plan, self.own, self.members, self.forward)
+        self.flight = exchange_bytes(parts, send, recv, self.pattern.group, self.device)
+
+    # -- owners: assemble, orthogonalise, return each member its pieces
+
+    def own_and_return(self) -> None:
+        recv, work = self.flight
+        if work is not None:
+            work.wait()
+        owned = owned_in_order(self.plan, self.plan.me)
+        received = self._unpack_at_owner(recv, owned)
+        parts_for: list[list[Tensor]] = [[] for _ in range(self.plan.members)]
+        for ui, u in owned:
+            for j, part in enumerate(self._owner_stage(ui, u, received[ui])):
+                parts_for[j].extend(part)
+        back_recv, back_send = split_sizes(self.plan, self.own, self.members, self.back)
+        parts = [p for j in range(self.plan.members) for p in parts_for[j]]
+        self.return_flight = exchange_bytes(parts, back_send, back_recv, self.pattern.group, self.device)
+
+    def _unpack_at_owner(self, recv: Tensor, owned) -> dict[int, list]:
+        """Per owned unit, per member: (its positions, its pieces, its ``v`` values or None)."""
+        out: dict[int, list] = {ui: [] for ui, _ in owned}
+        at = 0
+        for j in range(self.plan.members):  # by source member, owned units in plan order
+            for ui, u in owned:
+                smap, total = u.maps[j], self.members[(ui, j)]
+                pos = owner_positions(self.wheres[ui], smap, self.sel.on(smap.slices, self.device), total)
+                length, wire = other_length(smap), self.forward[ui]
+                pieces = from_bytes(recv[at:at + total * length * wire.piece], self.views[ui][1].dtype,
+                                    (total, length))
+                at += total * length * wire.piece
+                v = None
+                if wire.row_state:
+                    v = from_bytes(recv[at:at + total * wire.row_state], self.views[ui][2].dtype, (total,))
+                    at += total * wire.row_state
+                out[ui].append((pos, pieces, v))
+        return out
+
+    def _owner_stage(self, ui: int, u, received: list) -> list[list[Tensor]]:
+        """The owner's work on one unit: the submatrix in ascending global order, Newton–Schulz,
+        NorDion2's normalisation; returns each member's message (its update pieces, its ``v``)."""
+        item, (_, m, v) = self.items[ui], self.views[ui]
+        smap, lead, opts = u.maps[0], self.lead[ui], item.options
+        full = view_shape(item.param.shape, item.transposed)
+        length = full[-1] if smap.dim == -2 else full[-2]
+        sub = torch.zeros(u.batch, smap.k, length, dtype=m.dtype, device=self.device)
+        vk = torch.zeros(u.batch, smap.k, dtype=v.dtype, device=self.device) if v is not None else None
+        for j, (pos, pieces, vals) in enumerate(received):
+            _at_place(sub, pos, self.sel.on(u.maps[j].indices[_other(smap.dim)], self.device), pieces)
+            if vals is not None and pos.count:
+                vk[pos.matrix, pos.chosen] = vals
+        sub = sub if smap.dim == -2 else sub.transpose(-1, -2)
+        x = sub.reshape(*lead, *sub.shape[-2:]).to(item.dtype).contiguous()  # before the decay, as one device
+        o = _orthogonalize(opts["orthogonalize"], x, math.prod(item.param.shape[:-2]))
+        if vk is not None and u.batch * smap.k:
+            o, vk = normuon_normalize(o, vk.view(*lead, smap.k, 1), opts["normuon_beta2"], o.dtype)
+            vk = vk.reshape(u.batch, smap.k)
+        o3 = (o if smap.dim == -2 else o.transpose(-1, -2)).reshape(u.batch, smap.k, length)
+        out = []
+        for j, (pos, _, _) in enumerate(received):
+            part = [to_bytes(_at_take(o3, pos, self.sel.on(u.maps[j].indices[_other(smap.dim)], self.device)))]
+            if vk is not None:
+                part.append(to_bytes(vk[pos.matrix, pos.chosen]))
+            out.append(part)
+        return out
+
+    # -- members: their pieces of the update
+
+    def apply(self) -> None:
+        recv, work = self.return_flight
+        if work is not None:
+            work.wait()
+        at = 0
+        for owner in range(self.plan.members):  # by source (owner), its units in plan order
+            for ui, u in owned_in_order(self.plan, owner):
+                smap, pos, wire = u.maps[self.plan.me], self.mine[ui], self.back[ui]
+                total, length = self.own[ui], other_length(smap)
+                pieces = from_bytes(recv[at:at + total * length * wire.piece], self.out_dtype[ui], (total, length))
+                at += total * length * wire.piece
+                v_new = None
+                if wire.row_state:
+                    v_new = from_bytes(recv[at:at + total * wire.row_state], self.views[ui][2].dtype, (total,))
+                    at += total * wire.row_state
+                self._apply_unit(ui, smap, pos, pieces, v_new)
+
+    def _apply_unit(self, ui: int, smap, pos: Positions, pieces: Tensor, v_new: Tensor | None) -> None:
+        """Weight decay everywhere, the update on this rank's chosen slices, their rows of ``v``."""
+        item, (p, _, v) = self.items[ui], self.views[ui]
+        opts = item.options
+        d3 = torch.zeros(smap.batch, smap.count, other_length(smap), dtype=self.out_dtype[ui], device=self.device)
+        if pos.count:
+            d3[pos.matrix, pos.local] = pieces
+        d = d3.view(*self.lead[ui], *d3.shape[-2:])
+        d = d if smap.dim == -2 else d.transpose(-1, -2)
+        apply_update_(p, d, opts["lr"], opts["adjusted"], opts["weight_decay"], opts["cautious"])
+        if v_new is not None and pos.count:
+            v.view(smap.batch, smap.count)[pos.matrix, pos.local] = v_new
+
+
+def _orthogonalize(orth, x: Tensor, whole_batch: int) -> Tensor:
+    """``orth(x)`` as single-device Dion2 computes it within the whole stack: one matrix of a stack
+    of several runs as a batch of two (itself twice), since torch's batched products round a batch
+    of one (run as plain matrix products) differently from a matrix inside a larger batch, and
+    alike for every batch of two or more."""
+    if not x.numel():
+        return x
+    if x.dim() > 2 and math.prod(x.shape[:-2]) == 1 and whole_batch > 1:
+        one = x.reshape(1, *x.shape[-2:])
+        return orth(torch.cat([one, one]))[:1].reshape(x.shape)
+    return orth(x)
+
+
+def _other(dim: int) -> int:
+    return -1 if dim == -2 else -2
+
+
+def _at_place(sub: Tensor, pos: Positions, other, pieces: Tensor) -> None:
+    """Put a member's pieces ``[T, L]`` into the owner's ``[batch, k, length]`` submatrix: slice
+    ``pos.chosen`` of matrix ``pos.matrix``, entries at the member's global ``other`` indices."""
+    if pos.count == 0:
+        return
+    if isinstance(other, slice):
+        sub[pos.matrix, pos.chosen, other] = pieces
+    else:
+        sub[pos.matrix[:, None], pos.chosen[:, None], other[None, :]] = pieces
+
+
+def _at_take(o3: Tensor, pos: Positions, other) -> Tensor:
+    """A member's pieces of the owner's update ``[batch, k, length]`` (the inverse of :func:`_at_place`)."""
+    if isinstance(other, slice):
+        return o3[pos.matrix, pos.chosen, other]
+    return o3[pos.matrix[:, None], pos.chosen[:, None], other[None, :]]
 

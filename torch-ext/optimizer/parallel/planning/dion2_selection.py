@@ -131,19 +131,23 @@ def assign_selection_owners(costs: Sequence[int], members: int) -> list[int]:
 
 
 def exchange_plan(params: Sequence[tuple[Sequence[int], Sequence[Placement]]], mesh_shape: Sequence[int],
-                  member_coordinates: Sequence[Sequence[int]], me: int, fraction: float,
-                  rows_only: bool = False, owners: Sequence[int] | None = None) -> ExchangePlan:
+                  member_coordinates: Sequence[Sequence[int]], me: int, fraction: float | Sequence[float],
+                  rows_only: bool | Sequence[bool] = False, owners: Sequence[int] | None = None) -> ExchangePlan:
     """The :class:`ExchangePlan` of parameters ``(global_shape, placements)`` whose shard group is
     the members at ``member_coordinates`` (in the process group's rank order; ``me`` a position in
-    it).  ``owners``: each parameter's owner position (default :func:`assign_selection_owners`)."""
+    it).  ``fraction`` and ``rows_only``: one value for every parameter, or one per parameter (Dion2
+    groups with different fractions, NorDion2 beside Dion2).  ``owners``: each parameter's owner
+    position (default :func:`assign_selection_owners`)."""
     if not 0 <= me < len(member_coordinates):
         raise ValueError(f"exchange_plan: member {me} outside a shard group of {len(member_coordinates)}")
+    fractions = list(fraction) if isinstance(fraction, Sequence) else [fraction] * len(params)
+    rows = list(rows_only) if isinstance(rows_only, Sequence) else [rows_only] * len(params)
     cache: dict[tuple, tuple[SliceMap, ...]] = {}
     maps = []
-    for shape, pl in params:
-        key = (tuple(shape), tuple(pl))
+    for (shape, pl), f, r in zip(params, fractions, rows):
+        key = (tuple(shape), tuple(pl), f, r)
         if key not in cache:
-            cache[key] = tuple(slice_map(shape, mesh_shape, pl, c, fraction, rows_only) for c in member_coordinates)
+            cache[key] = tuple(slice_map(shape, mesh_shape, pl, c, f, r) for c in member_coordinates)
         maps.append(cache[key])
     for i, per_member in enumerate(maps):
         if len({m.batch for m in per_member}) != 1:
