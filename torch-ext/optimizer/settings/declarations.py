@@ -183,7 +183,8 @@ GROUP_OPTIONS: tuple[GroupOption, ...] = (
                 "None: Muon; a number in (0, 1]: Dion2 (arXiv 2512.16928; NorDion2 with normuon_beta2): the "
                 "momentum is the sum m <- m + g, each step orthogonalises only the k = ceil(fraction s) rows or "
                 "columns (the shorter side; NorDion2: rows) of largest L1 norm, updates only those, and decays "
-                "their momentum by dion2_ef_decay (docs/dion2.md); plain tensors only for now",
+                "their momentum by dion2_ef_decay (docs/dion2.md); on DTensors the same slices, chosen exactly, and "
+                "only they travel to one owner and back",
                 check_fraction, shapes_plan=True, optional=True),
     GroupOption("dion2_ef_decay", (DION2,), 0.95,
                 "Dion2's error feedback: the chosen slices' momentum is multiplied by it after each step, the "
