@@ -137,7 +137,8 @@ def header_sentence(path: str) -> str:
 def config_matrix() -> str:
     from examples.config import load_config
 
-    lines = ["| config | ranks | mesh | attention; optimizer if not Muon | what it is (from the file's header) |", "|---|---|---|---|---|"]
+    lines = ["| config | ranks | mesh | attention; optimizer if not Muon | what it is (from the file's header) |",
+             "|---|---|---|---|---|"]
     for path in sorted(glob.glob(os.path.join(ROOT, CONFIG_GLOB))):
         cfg = load_config(path)
         mesh = " × ".join(f"{d} {getattr(cfg.mesh, d)}" for d in cfg.mesh.dim_names) or "–"

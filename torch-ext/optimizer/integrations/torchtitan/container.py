@@ -71,7 +71,8 @@ def default_param_groups(
                 "dion2_ef_decay); remove them")
         muon_kwargs = {"dion2_fraction": dion2_fraction}
     else:
-        muon_kwargs = {"momentum": 0.95 if momentum is None else momentum, "nesterov": True if nesterov is None else nesterov}
+        muon_kwargs = {"momentum": 0.95 if momentum is None else momentum,
+                       "nesterov": True if nesterov is None else nesterov}
     extra = {k: v for k, v in (("dion2_ef_decay", dion2_ef_decay), ("normuon_beta2", normuon_beta2)) if v is not None}
     return [
         ParamGroupConfig(
