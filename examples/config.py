@@ -12,7 +12,7 @@ Sections (all keys optional unless noted; unknown keys are errors)::
                  warmup_steps, schedule ("constant" | "cosine"), log_every, eval_every
     [data]       source ("synthetic" | "stdlib"), val_sequences
     [qk_clip]    enabled, threshold, head_dim (defaults to model.head_dim; not with MLA)
-    [muon]       row_blocks ("none" | "qkv" | "heads")
+    [muon]       row_blocks ("none" | "qkv" | "heads"), dion2_fraction, dion2_ef_decay, normuon_beta2
     [compare]    adamw_lr, check_steps, normuon_lr   (read by examples/main_job.py only)
     [placements] "name-glob" = ["Shard(1)", "Replicate()", "_StridedShard(0, sf=2)", ...]
 
@@ -35,7 +35,12 @@ orthogonalisation (Muon's ``"muon_row_blocks"`` param-group key): ``"qkv"``
 orthogonalises the q, k and v rows of a fused ``wqkv`` as three matrices (fused
 attention only); ``"heads"`` every attention head of the q/k/v projections on its
 own (``wq``/``wk``/``wv`` per head; ``wqkv`` per q, k, v head; MLA's ``wq``/``wq_b``
-and ``wkv_b`` per head); ``"none"`` (default) whole matrices.
+and ``wkv_b`` per head); ``"none"`` (default) whole matrices.  ``[muon] dion2_fraction``
+(and ``dion2_ef_decay``, ``normuon_beta2``) are Muon's group options of the same names, set on
+the Muon group (:data:`MUON_GROUP_OPTIONS`): Dion2 at that fraction, NorDion2 with
+``normuon_beta2`` (docs/dion2.md); each value is checked by the optimizer's own declaration
+(``optimizer.settings``).  A Dion2 group has no momentum coefficient, so ``[train] momentum``
+is refused with it.
 
 Mesh dims with degree > 1 form the device mesh, in the order
 ``dp_replicate, dp_shard, ep, tp``.  Without ``[placements]`` the model is
@@ -132,9 +137,21 @@ class QKClipSettings:
     head_dim: int | None = None  # None: the model's head_dim
 
 
+# Muon's group options a config's [muon] table sets on the Muon group (besides row_blocks), each
+# declared and checked once, in optimizer.settings.GROUP_OPTIONS; None: not set (Muon's default).
+MUON_GROUP_OPTIONS = ("dion2_fraction", "dion2_ef_decay", "normuon_beta2")
+
+
 @dataclass(frozen=True)
 class MuonSettings:
     row_blocks: str = "none"  # "none" | "qkv" | "heads": see the module docstring
+    dion2_fraction: float | None = None  # Dion2 on the Muon group (None: Muon)
+    dion2_ef_decay: float | None = None  # Dion2's error-feedback decay (None: Muon's default)
+    normuon_beta2: float | None = None  # NorMuon (with dion2_fraction: NorDion2)
+
+    def group_options(self) -> dict:
+        """The Muon group's options this config sets (MUON_GROUP_OPTIONS that are not None)."""
+        return {k: getattr(self, k) for k in MUON_GROUP_OPTIONS if getattr(self, k) is not None}
 
 
 @dataclass(frozen=True)
@@ -291,6 +308,7 @@ def build_config(raw: dict, name: str, world_size: int | None = None, where: str
     if muon.row_blocks == "qkv" and model.attention != "fused_qkv":
         raise fail("muon.row_blocks", f"\"qkv\" splits a fused wqkv, but model.attention is "
                    f"{model.attention!r}; use \"heads\" or \"none\", or attention = \"fused_qkv\"")
+    _check_muon_group_options(muon, raw.get("train", {}), fail)
     if qk_clip.head_dim is not None and model.attention == "mla":
         raise fail("qk_clip.head_dim", "is not used with attention = \"mla\" (QK-clip takes the MLA head "
                    "sizes from [model]); remove it")
@@ -332,6 +350,24 @@ def build_config(raw: dict, name: str, world_size: int | None = None, where: str
                      compare=compare, muon=muon, placements=placements)
 
 
+def _check_muon_group_options(muon: MuonSettings, train_table: dict, fail) -> None:
+    """[muon]'s group options, checked by the optimizer's own declarations (one home for each
+    check), and what does not go with them."""
+    from optimizer.settings import GROUP_OPTIONS
+
+    declared = {o.name: o for o in GROUP_OPTIONS}
+    for key, value in muon.group_options().items():
+        try:
+            declared[key].check(value, key, {})
+        except ValueError as e:
+            raise fail(f"muon.{key}", str(e)) from e
+    if muon.dion2_ef_decay is not None and muon.dion2_fraction is None:
+        raise fail("muon.dion2_ef_decay", "applies to Dion2 groups only; set [muon] dion2_fraction too, or remove it")
+    if muon.dion2_fraction is not None and "momentum" in train_table:
+        raise fail("train.momentum", f"does not apply with [muon] dion2_fraction = {muon.dion2_fraction}: a Dion2 "
+                   "group has no momentum coefficient (its momentum is the sum M + G); remove it")
+
+
 def _dataclass_from(cls, values, section: str, fail):
     if not isinstance(values, dict):
         raise fail(section, "must be a table")
@@ -350,7 +386,7 @@ def _dataclass_from(cls, values, section: str, fail):
 def _expected_types(cls, f: dataclasses.Field) -> tuple[type, ...]:
     if cls is QKClipSettings and f.name == "head_dim":
         return (int,)
-    if cls is CompareConfig and f.name == "normuon_lr":
+    if (cls is CompareConfig and f.name == "normuon_lr") or (cls is MuonSettings and f.name in MUON_GROUP_OPTIONS):
         return (float, int)
     if isinstance(f.default, bool):
         return (bool,)

@@ -8,6 +8,8 @@ Both follow ``[model] attention`` (``examples/model.py``):
   k_nope rows by sqrt(gamma), q_pe rows by gamma, ``wkv_a``'s shared rotary key untouched).
 * Split orthogonalisation (:func:`muon_row_blocks`, ``[muon] row_blocks``): Muon's
   ``"muon_row_blocks"`` param-group key, ``{parameter name: spec}`` for the attention weights.
+* Dion2 / NorDion2 (``[muon] dion2_fraction``, ``dion2_ef_decay``, ``normuon_beta2``): set on the
+  Muon group (:func:`muon_param_groups`).
 
 The same functions build the distributed optimizer and the single-device reference, so the
 lockstep check compares like with like.
@@ -64,10 +66,12 @@ def muon_row_blocks(cfg: RunConfig, names) -> dict:
 
 
 def muon_param_groups(model, cfg: RunConfig) -> list[dict]:
-    """``get_default_muon_param_groups(model)`` with the config's row blocks on the Muon group."""
+    """``get_default_muon_param_groups(model)`` with the config's row blocks and ``[muon]`` group
+    options (Dion2, NorDion2: ``MuonSettings.group_options``) on the Muon group."""
     groups = get_default_muon_param_groups(model)
     for group in groups:
         if group["use_muon"]:
+            group.update(cfg.muon.group_options())
             specs = muon_row_blocks(cfg, group["param_names"])
             if specs:
                 group[ROW_BLOCKS_KEY] = specs

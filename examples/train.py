@@ -49,6 +49,7 @@ if __package__ in (None, ""):  # run as a script: make `examples` and `optimizer
     sys.path[:0] = [_ROOT, os.path.join(_ROOT, "torch-ext")]
 
 from optimizer import Muon  # noqa: E402
+from optimizer.settings import KIND_NAMES, kind_of  # noqa: E402
 
 from examples import data  # noqa: E402
 from examples.config import ConfigError, RunConfig, load_config  # noqa: E402
@@ -363,6 +364,10 @@ class Run:
             "compute_dtype": str(self.compute_dtype or torch.float32).removeprefix("torch."),
             "muon_options": {k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
                              for k, v in self.muon_options.items()},
+            "muon_group_options": cfg.muon.group_options(),
+            # what the optimizer's groups are (Muon, Dion2, AdamW, Lion): a config option that did not
+            # reach the optimizer shows here
+            "group_kinds": sorted({KIND_NAMES[kind_of(g)] for g in self.opt.param_groups if "use_muon" in g}),
             "weight_decay": cfg.train.weight_decay,
             "losses": losses,
             "first_loss": losses[0] if losses else math.nan,

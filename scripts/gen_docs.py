@@ -137,12 +137,17 @@ def header_sentence(path: str) -> str:
 def config_matrix() -> str:
     from examples.config import load_config
 
-    lines = ["| config | ranks | mesh | attention | what it is (from the file's header) |", "|---|---|---|---|---|"]
+    lines = ["| config | ranks | mesh | attention; optimizer if not Muon | what it is (from the file's header) |",
+             "|---|---|---|---|---|"]
     for path in sorted(glob.glob(os.path.join(ROOT, CONFIG_GLOB))):
         cfg = load_config(path)
         mesh = " × ".join(f"{d} {getattr(cfg.mesh, d)}" for d in cfg.mesh.dim_names) or "–"
         attention = cfg.model.attention + (f", row blocks `{cfg.muon.row_blocks}`" if cfg.muon.row_blocks != "none"
                                            else "")
+        options = cfg.muon.group_options()  # Dion2 / NorDion2 on the Muon group
+        if options:
+            kind = "NorDion2" if options.get("normuon_beta2") is not None else "Dion2"
+            attention += f"; {kind} " + ", ".join(f"`{k} = {v}`" for k, v in options.items())
         name = os.path.splitext(os.path.basename(path))[0]
         cells = (f"`{name}`", str(cfg.world_size), mesh, attention, header_sentence(path))
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")

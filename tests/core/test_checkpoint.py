@@ -24,6 +24,7 @@ the optimizer through ``torch.distributed.checkpoint`` with torch's
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import logging
 import os
@@ -43,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from examples.config import load_config
+from examples.config import MUON_GROUP_OPTIONS, load_config
 from examples.model import build_model, collect_qk_logits
 from examples.muon_setup import muon_param_groups, qk_clip_config
 from examples.parallelize import build_mesh, data_parallel_rank_and_size, max_logit_groups, parallelize
@@ -63,7 +64,8 @@ LR, WEIGHT_DECAY = 0.02, 0.1  # the configs train without weight decay; checkpoi
 # backward (fp32): after N - K steps parameters agree to ~5e-7 (measured on all three
 # pairs below).  The control without optimizer state misses by ~7e-2.
 RESHARD_ATOL = 5e-6
-RESHARDS = [("fsdp_tp", "fsdp"), ("fsdp_tp", "base"), ("base", "hsdp_tp")]
+RESHARDS = [("fsdp_tp", "fsdp"), ("fsdp_tp", "base"), ("base", "hsdp_tp"),
+            ("dion2_hsdp", "fsdp_tp"), ("nordion2_fsdp_tp", "base")]  # Dion2, NorDion2 to another layout
 TIMEOUT = 240
 
 
@@ -80,10 +82,11 @@ def _quiet():
 
 
 def _setup(cfg, mesh, seed, lr=LR, weight_decay=WEIGHT_DECAY, qk_clip=True):
-    """The config's model and Muon (QK-clip and row blocks per its attention, examples/muon_setup.py)."""
+    """The config's model and Muon (QK-clip and row blocks per its attention, Dion2 per its [muon],
+    examples/muon_setup.py; QK-clip only where the config turns it on)."""
     model = parallelize(build_model(cfg.model, seed), mesh, cfg)
     opt = Muon(muon_param_groups(model, cfg), lr=lr, weight_decay=weight_decay, momentum=cfg.train.momentum,
-               qk_clip=qk_clip_config(cfg) if qk_clip else None)
+               qk_clip=qk_clip_config(cfg) if qk_clip and cfg.qk_clip.enabled else None)
     return model, opt
 
 
@@ -95,6 +98,8 @@ def _settings(opt):
         "weight_decay": {g["weight_decay"] for g in opt.param_groups},
         "qk_clip": None if qk is None else (qk.threshold, qk.head_dim, qk.fused_qkv, qk.mla),
         "row_blocks": [repr(g.get(ROW_BLOCKS_KEY)) for g in opt.param_groups],
+        "dion2": [{k: g[k] for k in MUON_GROUP_OPTIONS if g.get(k) is not None} for g in opt.param_groups
+                  if g.get("dion2_fraction") is not None],
     }
 
 
@@ -158,11 +163,14 @@ def _fresh_state_problems(model, opt):
             problems.append(f"{n}: gradient left behind")
     for group in opt.param_groups:
         keys = {"momentum_buffer"} if group["use_muon"] else {"step", "exp_avg", "exp_avg_sq"}
+        row_state = {"normuon_v"} if group["use_muon"] and group.get("normuon_beta2") is not None else set()
         for name, p in zip(group["param_names"], group["params"]):
             st = opt.state.get(p, {})
-            if set(st) != keys:
-                problems.append(f"{name}: state keys {sorted(st)}, expected {sorted(keys)}")
+            if set(st) != keys | row_state:
+                problems.append(f"{name}: state keys {sorted(st)}, expected {sorted(keys | row_state)}")
                 continue
+            problems += [f"{name}: {k} is not zero after a zero-gradient step" for k in row_state
+                         if torch.count_nonzero(_local(st[k])) != 0]
             for k in keys - {"step"}:
                 v = st[k]
                 if isinstance(v, DTensor) != isinstance(p, DTensor) or v.shape != p.shape or v.dtype != p.dtype:
@@ -200,18 +208,33 @@ def _run_and_save(rank, world_size, config, ckpt):
     return {"fresh_problems": fresh, "uninterrupted": uninterrupted, "clipped": clipped}
 
 
-def _load_and_continue(rank, world_size, config, ckpt, control):
+def _wrong_dion2(cfg):
+    """``cfg`` with other values of the Dion2 options it sets (fraction, ef_decay, NorDion2's beta2):
+    the checkpoint must restore them.  Only those it sets: DCP loads the keys the loading groups
+    hold, and a group holds an optional option only off its default."""
+    if cfg.muon.dion2_fraction is None:
+        return cfg
+    wrong = {k: 0.5 for k in cfg.muon.group_options()}
+    return dataclasses.replace(cfg, muon=dataclasses.replace(cfg.muon, **wrong))
+
+
+def _load_and_continue(rank, world_size, config, ckpt, control, source=None):
     """Launch 2: a fresh process loads the checkpoint and runs steps K..N-1.
 
     The model starts from another seed and the optimizer with wrong settings:
     all must come from the checkpoint.  ``control`` also runs the model-only load.
+    ``source``: the config that saved the checkpoint, when it is another: its optimizer
+    ([muon]: Dion2; [qk_clip]) continues on this config's mesh and layout.
     """
     _quiet()
     cfg = load_config(_path(config), world_size=world_size)
+    if source is not None:
+        saved_by = load_config(_path(source))
+        cfg = dataclasses.replace(cfg, muon=saved_by.muon, qk_clip=saved_by.qk_clip)
     mesh = build_mesh(cfg)
     # Row blocks are declared with the model's code, as a custom classify is: DCP loads only the
     # keys the loading optimizer's state dict has, so an optimizer built without them stays so.
-    model, opt = _setup(cfg, mesh, cfg.train.seed + 1, lr=0.5, weight_decay=0.0, qk_clip=False)
+    model, opt = _setup(_wrong_dion2(cfg), mesh, cfg.train.seed + 1, lr=0.5, weight_decay=0.0, qk_clip=False)
     _load(model, opt, ckpt)
     restored = _settings(opt)
     _train(cfg, mesh, model, opt, range(K, N))
@@ -251,8 +274,11 @@ def test_resume_after_restart_is_bit_identical(saved, config):
     second = run_ranks(_load_and_continue, cfg.world_size, config, ckpt, False, timeout=TIMEOUT)[0]
     assert second["restored"] == second["wanted"]
     assert second["restored"]["lr"] == {LR} and second["restored"]["weight_decay"] == {WEIGHT_DECAY}
-    assert second["restored"]["qk_clip"] == (cfg.qk_clip.threshold, qk_clip_config(cfg).head_dim,
-                                             qk_clip_config(cfg).fused_qkv, qk_clip_config(cfg).mla)
+    assert second["restored"]["qk_clip"] == ((cfg.qk_clip.threshold, qk_clip_config(cfg).head_dim,
+                                              qk_clip_config(cfg).fused_qkv, qk_clip_config(cfg).mla)
+                                             if cfg.qk_clip.enabled else None)
+    if cfg.muon.dion2_fraction is not None:  # Dion2 groups restored with their options
+        assert second["restored"]["dion2"] == [cfg.muon.group_options()], second["restored"]
     if cfg.muon.row_blocks != "none":
         assert any(r != "None" for r in second["restored"]["row_blocks"]), second["restored"]
     want, got = first["uninterrupted"], second["resumed"]
@@ -275,7 +301,7 @@ def test_qk_clip_is_exercised_by_the_resumed_runs(saved):
 @pytest.mark.parametrize("source,target", RESHARDS, ids=[f"{s}->{t}" for s, t in RESHARDS])
 def test_reshard_to_another_config_continues_the_run(saved, source, target):
     ckpt, first = saved(source)
-    second = run_ranks(_load_and_continue, load_config(_path(target)).world_size, target, ckpt, True,
+    second = run_ranks(_load_and_continue, load_config(_path(target)).world_size, target, ckpt, True, source,
                        timeout=TIMEOUT)[0]
     want = first["uninterrupted"]
     assert _max_diff(second["resumed"], want) <= RESHARD_ATOL

@@ -1,4 +1,4 @@
-"""``torch.compile(opt.step)`` on the installed torch release (issue 32).
+"""``torch.compile(opt.step)`` on the installed torch release (issue 32; Dion2 and NorDion2 groups: issue 40).
 
 The numbers of a compiled step against an eager one (inductor, fp32) are checked in
 ``test_dropin.py::test_compiled_step_matches_eager_step_and_torch_adamw``; this file checks what a
@@ -116,3 +116,54 @@ def test_compiled_step_records_qk_clip_report_and_stats_like_eager():
         reports.add(id(opt.qk_clip_report))
         assert opt.qk_clip_report.max_logit == {0: pytest.approx(THRESHOLD * (6.0 + t))}
     assert len(reports) == 2
+
+
+# ------------------------------------------------------------------------ Dion2 and NorDion2
+
+DION2_GROUPS = {
+    "dion2": dict(dion2_fraction=0.25, dion2_ef_decay=0.9, adjust_lr="spectral_norm"),
+    "nordion2": dict(dion2_fraction=0.5, dion2_ef_decay=0.8, normuon_beta2=0.9, cautious_wd=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(DION2_GROUPS))
+def test_compiled_dion2_step_matches_eager(variant):
+    """``torch.compile(opt.step)`` (inductor) of a Dion2 / NorDion2 group on plain tensors (wide,
+    tall, a 3-D stack) gives the eager step's parameters and state (momentum, NorDion2's ``v``)
+    each step, fp32.  Each step moves the chosen slices only; the eager step is checked against the
+    float64 formulas in tests/rule/test_dion2_muon.py."""
+    torch._dynamo.reset()
+
+    def named(seed=0):
+        g = torch.Generator().manual_seed(seed)
+        shapes = {"wide": (6, 16), "tall": (16, 6), "experts": (2, 8, 12), "norm": (6,)}
+        return [(n, nn.Parameter(torch.randn(s, generator=g))) for n, s in shapes.items()]
+
+    def make(params):
+        matrices = [p for _, p in params if p.dim() >= 2]
+        return Muon([{"params": matrices, "use_muon": True, **DION2_GROUPS[variant]},
+                     {"params": [p for _, p in params if p.dim() < 2], "use_muon": False}],
+                    lr=0.02, weight_decay=0.1, compute_dtype=torch.float32)
+
+    ours, eager = named(), named()
+    opt, eager_opt = make(ours), make(eager)
+    start = dict(named())["wide"].detach()
+    step = torch.compile(opt.step)
+    for t in range(3):
+        grads = _grads(ours, t, nonfinite=False)
+        _set_grads(ours, grads)
+        _set_grads(eager, grads)
+        step()
+        eager_opt.step()
+        _assert_params_equal(ours, eager, f"{variant}, step {t}")
+        for (name, p), (_, q) in zip(ours, eager):
+            for key, want in eager_opt.state[q].items():
+                if torch.is_tensor(want) and want.dim() > 0:
+                    torch.testing.assert_close(opt.state[p][key], want, atol=1e-6, rtol=0,
+                                               msg=lambda m: f"{variant}, step {t}: {name} {key}: {m}")
+        if t == 0:  # the first step moves k = ceil(fraction * 6) rows of `wide` (its shorter side) by the update
+            wide, decayed = dict(ours)["wide"].detach(), start * (1 - 0.02 * 0.1)
+            moved = [i for i in range(6) if not torch.allclose(wide[i], decayed[i], atol=1e-5, rtol=0)]  # update ~1e-2
+            assert len(moved) == math.ceil(DION2_GROUPS[variant]["dion2_fraction"] * 6), moved
+    assert {k for _, p in ours if p.dim() >= 2 for k in opt.state[p]} == (
+        {"momentum_buffer", "normuon_v"} if variant == "nordion2" else {"momentum_buffer"})

@@ -18,7 +18,7 @@ CONFIG_DIR = str(CONFIGS)
 
 # The configurations the issue asks for, with the world sizes it gives them.
 REQUIRED = {"base": 1, "fsdp": 2, "hsdp": 4, "tp": 2, "fsdp_tp": 4, "hsdp_tp": 8, "ep": 4,
-            "solver": 4, "uneven": 4, "fused_qkv": 4, "mla": 4}
+            "solver": 4, "uneven": 4, "fused_qkv": 4, "mla": 4, "dion2_hsdp": 4, "nordion2_fsdp_tp": 4}
 
 GOOD = """
 [mesh]
@@ -130,6 +130,39 @@ def test_mla_config_values(tmp_path):
     ],
 )
 def test_bad_attention_settings_are_named(tmp_path, text, key, words):
+    msg = rejected(tmp_path, text)
+    assert key in msg and words in msg, msg
+
+
+DION2 = GOOD.replace("enabled = true", "enabled = false") + "\n[muon]\ndion2_fraction = 0.25\n"
+
+
+def test_dion2_options_reach_the_muon_group(tmp_path):
+    """[muon] dion2_fraction / dion2_ef_decay / normuon_beta2 are set on the Muon group (and only there)."""
+    from examples.model import build_model
+    from examples.muon_setup import muon_param_groups
+
+    cfg = load_config(write(tmp_path, DION2 + "dion2_ef_decay = 0.9\nnormuon_beta2 = 0.95\n"), world_size=4)
+    assert cfg.muon.group_options() == {"dion2_fraction": 0.25, "dion2_ef_decay": 0.9, "normuon_beta2": 0.95}
+    groups = muon_param_groups(build_model(cfg.model, 0), cfg)
+    assert [{k: g.get(k) for k in cfg.muon.group_options()} for g in groups if g["use_muon"]] == [cfg.muon.group_options()]
+    assert all("dion2_fraction" not in g for g in groups if not g["use_muon"])
+    assert load_config(write(tmp_path, GOOD), world_size=4).muon.group_options() == {}
+
+
+@pytest.mark.parametrize(
+    "text, key, words",
+    [
+        (DION2.replace("0.25", "1.5"), "muon.dion2_fraction", "(0, 1]"),  # the optimizer's own check
+        (DION2.replace("0.25", "0"), "muon.dion2_fraction", "(0, 1]"),
+        (DION2.replace("0.25", '"quarter"'), "muon.dion2_fraction", "expected float or int"),
+        (DION2 + "dion2_ef_decay = -1\n", "muon.dion2_ef_decay", ">= 0"),
+        (DION2 + "normuon_beta2 = 1.0\n", "muon.normuon_beta2", "[0, 1)"),
+        (GOOD + "\n[muon]\ndion2_ef_decay = 0.9\n", "muon.dion2_ef_decay", "set [muon] dion2_fraction"),
+        (DION2.replace("batch_size = 4", "batch_size = 4\nmomentum = 0.9"), "train.momentum", "no momentum"),
+    ],
+)
+def test_bad_dion2_settings_are_named(tmp_path, text, key, words):
     msg = rejected(tmp_path, text)
     assert key in msg and words in msg, msg
 

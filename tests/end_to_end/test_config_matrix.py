@@ -3,6 +3,11 @@
 Muon's variants (NorMuon + cautious weight decay) run on every config in the forked fast path,
 and under torchrun on ``fsdp_tp`` once.
 
+The Dion2 configs (``[muon] dion2_fraction``: Dion2 on HSDP, NorDion2 on FSDP+TP) turn QK-clip
+off (``[qk_clip] enabled = false``: Muon refuses it in Dion2 groups until the two compose), and a
+config that turns it off runs with QK-clip off only; their summaries must say that the optimizer
+had Dion2 groups (``group_kinds``), so a ``[muon]`` option that did not reach it cannot pass.
+
 The attention-variant configs (fused QKV, MLA) run under torchrun with QK-clip on only,
 as issue 12 asks: the off case adds no code path the on case skips (it only drops the
 row scaling), and each torchrun case costs ~15-30 s of CI.  The forked fast path runs
@@ -29,7 +34,7 @@ import sys
 
 import pytest
 
-from examples.config import config_world_size
+from examples.config import config_world_size, load_config
 from harness import run_ranks
 from repo import REPO
 
@@ -47,8 +52,21 @@ def _config_id(path: str) -> str:
 
 
 QK_ON_ONLY = {"fused_qkv", "mla"}
+
+
+def _qk_clip_enabled(config: str) -> bool:
+    """Whether a config turns QK-clip on ([qk_clip] enabled); one that does not runs with it off only."""
+    return load_config(config).qk_clip.enabled
+
+
+def _dion2(config: str) -> dict:
+    """A config's [muon] group options (Dion2, NorDion2): {} for Muon."""
+    return load_config(config).muon.group_options()
+
+
 TORCHRUN_CASES = [pytest.param(c, qk, id=f"{_config_id(c)}-{'qk_on' if qk else 'qk_off'}")
-                  for c in CONFIGS for qk in (True, False) if qk or _config_id(c) not in QK_ON_ONLY]
+                  for c in CONFIGS for qk in (True, False)
+                  if (qk or _config_id(c) not in QK_ON_ONLY) and (not qk or _qk_clip_enabled(c))]
 
 # NorMuon and cautious weight decay (with weight decay on: the configs train without).
 VARIANTS = dict(normuon_beta2=0.95, cautious_wd=True)
@@ -59,6 +77,16 @@ VARIANT_FLAGS = ["--normuon-beta2", "0.95", "--cautious-wd", "--weight-decay", s
 def test_attention_variant_configs_are_in_the_matrix():
     assert QK_ON_ONLY <= {_config_id(c) for c in CONFIGS}
     assert {c.id for c in TORCHRUN_CASES} >= {"fused_qkv-qk_on", "mla-qk_on"}
+
+
+def test_dion2_and_nordion2_configs_are_in_the_matrix():
+    """Issue 40: a Dion2 case and a NorDion2 case, on two meshes, under torchrun."""
+    dion2 = {_config_id(c): _dion2(c) for c in CONFIGS if _dion2(c).get("dion2_fraction") is not None}
+    assert any("normuon_beta2" not in o for o in dion2.values()), dion2  # Dion2
+    assert any("normuon_beta2" in o for o in dion2.values()), dion2  # NorDion2
+    meshes = {load_config(os.path.join(ROOT, "configs", f"{name}.toml")).mesh for name in dion2}
+    assert len(meshes) >= 2, dion2
+    assert {f"{name}-qk_off" for name in dion2} <= {c.id for c in TORCHRUN_CASES}
 
 
 # ------------------------------------------------------------------ the torchrun launches
@@ -156,7 +184,8 @@ def test_config_under_torchrun_matches_single_device(launch, tmp_path):
         else:
             try:
                 summary = json.loads(summaries[case_id].read_text())
-                _check_summary(summary, world_size, "--no-qk-clip" not in cases[case_id][1], MATRIX_STEPS)
+                _check_summary(summary, world_size, "--no-qk-clip" not in cases[case_id][1], MATRIX_STEPS,
+                               cases[case_id][0])
             except (AssertionError, OSError, ValueError) as e:
                 failures.append(f"{case_id}: {type(e).__name__}: {e}")
     assert not failures, "failed case(s) of this launch:\n" + "\n".join(failures) + f"\n\n{log}"
@@ -171,8 +200,13 @@ def _case_output(stdout: str, case_id: str) -> str:
     return stdout[(stdout.find("\n", start) + 1) if start >= 0 else 0:end if end >= 0 else None]
 
 
-def _check_summary(summary, world_size, qk, steps):
+def _check_summary(summary, world_size, qk, steps, config=None):
     assert summary["world_size"] == world_size, summary
+    if config is not None:  # the config's [muon] options reached the optimizer (and only Dion2 makes Dion2 groups)
+        options = _dion2(config)
+        assert summary["muon_group_options"] == options, summary["muon_group_options"]
+        dion2 = options.get("dion2_fraction") is not None
+        assert summary["group_kinds"] == (["AdamW", "Dion2"] if dion2 else ["AdamW", "Muon"]), summary["group_kinds"]
     assert summary["steps"] == steps and len(summary["losses"]) == steps, summary
     assert summary["qk_clip"] == qk, summary
     assert summary["max_param_deviation"] <= summary["tolerance"], summary
@@ -219,11 +253,19 @@ def _train_forked(rank, world_size, config, qk, muon_options=None):
 # The forked fast path's cases of one config: QK-clip on and off, and NorMuon + cautious weight
 # decay (QK-clip on), each a train() of its own, one after another in one launch (a launch's first
 # run pays DTensor's cold caches: one launch per config, not three, saved 24 s of CPU in all, 2026-11-28).
+# A config that turns QK-clip off (the Dion2 ones) runs the cases without it.
 FAST_CASES = {"qk_on": (True, None), "qk_off": (False, None), "normuon_cautious_wd": (True, VARIANTS)}
 
 
+def _fast_cases(config: str) -> dict:
+    if _qk_clip_enabled(config):
+        return FAST_CASES
+    return {case: (False, options) for case, (qk, options) in FAST_CASES.items() if case != "qk_on"}
+
+
 def _train_cases_forked(rank, world_size, config):
-    return {case: _train_forked(rank, world_size, config, qk, options) for case, (qk, options) in FAST_CASES.items()}
+    return {case: _train_forked(rank, world_size, config, qk, options)
+            for case, (qk, options) in _fast_cases(config).items()}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[_config_id(c) for c in CONFIGS])
@@ -235,10 +277,10 @@ def test_config_fast_path_forked_ranks(config):
     world_size = config_world_size(config)
     summaries = run_ranks(_train_cases_forked, world_size, config, timeout=240)[0]
     failures = []
-    for case, (qk, options) in FAST_CASES.items():
+    for case, (qk, options) in _fast_cases(config).items():
         summary = summaries[case]
         try:
-            _check_summary(summary, world_size, qk, FAST_STEPS)
+            _check_summary(summary, world_size, qk, FAST_STEPS, config)
             if options:
                 assert summary["muon_options"] == options and summary["weight_decay"] == VARIANT_WEIGHT_DECAY, summary
         except AssertionError as e:

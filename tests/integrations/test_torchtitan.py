@@ -135,6 +135,42 @@ def test_llama3_full_dtensor_backend(world, degrees):
     assert all(r[3] <= 1e-5 for r in results), [r[3] for r in results]
 
 
+# Dion2 and NorDion2 through the preset (issue 40): the Muon group becomes a Dion2 group; the
+# reference (reference_for) copies the container's groups, so it is single-device Dion2 on the full
+# weights (checked against the float64 formulas in tests/rule/test_dion2_muon.py).
+DION2_PRESETS = {
+    "dion2": dict(dion2_fraction=0.25, dion2_ef_decay=0.9, adjust_lr="spectral_norm"),
+    "nordion2": dict(dion2_fraction=0.5, dion2_ef_decay=0.8, normuon_beta2=0.9),
+}
+
+
+@pytest.mark.parametrize("preset,layout", [("dion2", "fsdp_tp"), ("nordion2", "tp")])
+def test_llama3_dion2_matches_single_device_dion2(preset, layout):
+    world, degrees, expected = LLAMA3_LAYOUTS[layout]
+    groups = default_param_groups(lr=LR, **DION2_PRESETS[preset])
+    check(run_ranks(train_and_compare, world, "llama3", degrees, config_kw=dict(param_groups=groups), timeout=240),
+          expected)
+
+
+def test_dion2_presets_build_dion2_groups():
+    """default_param_groups(dion2_fraction=...) makes the Muon group a Dion2 (NorDion2) group with the
+    given options and no momentum; momentum/nesterov with it are refused, naming them."""
+    from optimizer.settings import DION2, kind_of
+
+    for preset, options in DION2_PRESETS.items():
+        opts = container_config(param_groups=default_param_groups(lr=LR, **options)).build(
+            model_parts=[titan_fixture.plain_model("llama3")])
+        muon = [g for g in opts.optimizers[0].param_groups if g["use_muon"]]
+        assert muon and all(kind_of(g) == DION2 for g in muon), preset
+        assert all(g[k] == v for g in muon for k, v in options.items()), preset
+        assert all("momentum" not in g and "nesterov" not in g for g in muon), preset
+    muon_kwargs = default_param_groups()[1].optimizer_kwargs  # without Dion2: Muon's momentum as before
+    assert (muon_kwargs["momentum"], muon_kwargs["nesterov"]) == (0.95, True) and "dion2_fraction" not in muon_kwargs
+    for given in (dict(momentum=0.9), dict(nesterov=False), dict(momentum=0.95)):
+        with pytest.raises(ValueError, match=f"{next(iter(given))}.*dion2_fraction=0.25.*no momentum coefficient"):
+            default_param_groups(dion2_fraction=0.25, **given)
+
+
 def test_llama3_gather_mode():
     check(run_ranks(train_and_compare, 4, "llama3", dict(data_parallel_shard_degree=2, tensor_parallel_degree=2),
                     config_kw=dict(distributed_mode="gather"), timeout=240))
@@ -541,13 +577,14 @@ def _snapshot(parallel, opts):
     return params, state, lrs
 
 
-def _checkpoint_rank(rank, world, folder, phase, degrees):
+def _checkpoint_rank(rank, world, folder, phase, degrees, preset=None):
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer
 
     # the resuming run starts from other weights: everything it ends with must come from the checkpoint
     parallel, full, dims = titan_fixture.build("llama3", world, seed=0 if phase != "resume" else 1, **degrees)
-    opts = container_config().build(model_parts=[parallel])
+    config_kw = {} if preset is None else dict(param_groups=default_param_groups(lr=LR, **DION2_PRESETS[preset]))
+    opts = container_config(**config_kw).build(model_parts=[parallel])
     scheds = LRSchedulersContainer.Config(warmup_steps=4).build(optimizers=opts, training_steps=6)
     ckpt = CheckpointManager(
         CheckpointManager.Config(enable=True, folder="ckpt", interval=1, last_save_model_only=False),
@@ -573,11 +610,13 @@ def _checkpoint_rank(rank, world, folder, phase, degrees):
     return at_checkpoint, _snapshot(parallel, opts)[0]
 
 
-@pytest.mark.parametrize("save_degrees,load_degrees", [
-    (dict(data_parallel_shard_degree=2), dict(data_parallel_shard_degree=2)),
-    (dict(data_parallel_shard_degree=2), dict(data_parallel_shard_degree=1, tensor_parallel_degree=2)),
-], ids=["fsdp->fsdp", "fsdp->tp"])
-def test_save_and_resume_through_torchtitan_checkpoint(tmp_path, save_degrees, load_degrees):
+@pytest.mark.parametrize("save_degrees,load_degrees,preset", [
+    (dict(data_parallel_shard_degree=2), dict(data_parallel_shard_degree=2), None),
+    (dict(data_parallel_shard_degree=2), dict(data_parallel_shard_degree=1, tensor_parallel_degree=2), None),
+    (dict(data_parallel_shard_degree=2), dict(data_parallel_shard_degree=2), "nordion2"),
+    (dict(data_parallel_shard_degree=2), dict(data_parallel_shard_degree=1, tensor_parallel_degree=2), "nordion2"),
+], ids=["fsdp->fsdp", "fsdp->tp", "nordion2-fsdp->fsdp", "nordion2-fsdp->tp"])
+def test_save_and_resume_through_torchtitan_checkpoint(tmp_path, save_degrees, load_degrees, preset):
     """torchtitan's CheckpointManager (DCP, FQN-keyed flat optimizer state) saves and restores Muon.
 
     The resumed run restores every parameter, every momentum / AdamW state tensor and the
@@ -585,13 +624,15 @@ def test_save_and_resume_through_torchtitan_checkpoint(tmp_path, save_degrees, l
     _StridedShard). On the same layout, steps 3-4 then land where the uninterrupted run does
     (on another layout the gradients themselves differ by rounding, so only the state is compared).
     """
-    (saved, saved_final) = run_ranks(_checkpoint_rank, 2, str(tmp_path), "save", save_degrees, timeout=240)[0]
-    (loaded, loaded_final) = run_ranks(_checkpoint_rank, 2, str(tmp_path), "resume", load_degrees, timeout=240)[0]
+    (saved, saved_final) = run_ranks(_checkpoint_rank, 2, str(tmp_path), "save", save_degrees, preset, timeout=240)[0]
+    (loaded, loaded_final) = run_ranks(_checkpoint_rank, 2, str(tmp_path), "resume", load_degrees, preset,
+                                       timeout=240)[0]
     for want, got in zip(saved[:2], loaded[:2]):
         assert want.keys() == got.keys()
         for name in want:
             assert torch.equal(want[name], got[name]), name
     assert any(k.endswith("momentum_buffer") for k in saved[1]) and any(k.endswith("exp_avg_sq") for k in saved[1])
+    assert any(k.endswith("normuon_v") for k in saved[1]) == (preset == "nordion2")  # NorDion2's v saved and restored
     assert loaded[2] == saved[2] and 0 < saved[2][0] < LR  # mid-warmup lr restored
     if save_degrees == load_degrees:
         for name, want in saved_final.items():
@@ -693,6 +734,26 @@ def test_every_group_option_passes_through_torchtitan_param_groups():
             for name, value in values.items():
                 # an optional option at its default is not held (muon_transposed False)
                 assert g.get(name, False if name == "muon_transposed" else None) == value, name
+
+
+def test_dion2_group_options_pass_through_torchtitan_param_groups():
+    """A "Muon" param group with ``dion2_fraction`` is a Dion2 group: every option a Dion2 group
+    declares (settings.GROUP_OPTIONS) reaches it unchanged, ``dion2_ef_decay`` included."""
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from optimizer.settings import DION2, options_of
+
+    values = {**{k: v for k, v in MUON_GROUP_VALUES.items() if k not in ("momentum", "nesterov")},
+              "dion2_fraction": 0.25, "dion2_ef_decay": 0.9}
+    assert {o.name for o in options_of(DION2)} - {ROW_BLOCKS_KEY} == set(values), "a new Dion2 option needs a value"
+    cfg = container_config(param_groups=[
+        ParamGroupConfig(pattern=ADAMW_PATTERN, optimizer_name="AdamW"),
+        ParamGroupConfig(pattern=".*", optimizer_name="Muon", optimizer_kwargs=dict(values)),
+    ])
+    muon = [g for g in cfg.build(model_parts=[titan_fixture.plain_model("llama3")]).optimizers[0].param_groups
+            if g["use_muon"]]
+    assert muon and all(g.get(name, False if name == "muon_transposed" else None) == value
+                        for g in muon for name, value in values.items())
 
 
 def _refusal(make, model: str | nn.Module = "llama3"):

@@ -43,19 +43,37 @@ def default_param_groups(
     *,
     lr: float = 2e-2,
     weight_decay: float = 0.1,
-    momentum: float = 0.95,
-    nesterov: bool = True,
+    momentum: float | None = None,
+    nesterov: bool | None = None,
     adjust_lr: str | None = "match_rms_adamw",
     adamw_lr: float | None = None,
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     adamw_weight_decay: float | None = None,
+    dion2_fraction: float | None = None,
+    dion2_ef_decay: float | None = None,
+    normuon_beta2: float | None = None,
 ) -> list[ParamGroupConfig]:
     """Presets for torchtitan's models: :data:`ADAMW_PATTERN` to AdamW, everything else to Muon.
 
     With ``adjust_lr="match_rms_adamw"`` (the default) Muon's update has AdamW's RMS, so one
     ``lr`` and ``weight_decay`` serve both (``adamw_lr`` / ``adamw_weight_decay`` override).
+    ``momentum`` / ``nesterov``: None is Muon's 0.95 / True.  ``dion2_fraction`` makes the Muon
+    group Dion2 (``dion2_ef_decay``; NorDion2 with ``normuon_beta2``: docs/dion2.md), which has no
+    momentum coefficient: ``momentum`` / ``nesterov`` given with it are refused, naming them.
     """
+    if dion2_fraction is not None:
+        given = [name for name, value in (("momentum", momentum), ("nesterov", nesterov)) if value is not None]
+        if given:
+            raise ValueError(
+                f"default_param_groups: {given} given with dion2_fraction={dion2_fraction!r}, but a Dion2 group has "
+                "no momentum coefficient (its momentum is the sum M + G, the chosen slices decayed by "
+                "dion2_ef_decay); remove them")
+        muon_kwargs = {"dion2_fraction": dion2_fraction}
+    else:
+        muon_kwargs = {"momentum": 0.95 if momentum is None else momentum,
+                       "nesterov": True if nesterov is None else nesterov}
+    extra = {k: v for k, v in (("dion2_ef_decay", dion2_ef_decay), ("normuon_beta2", normuon_beta2)) if v is not None}
     return [
         ParamGroupConfig(
             pattern=ADAMW_PATTERN,
@@ -70,13 +88,7 @@ def default_param_groups(
         ParamGroupConfig(
             pattern=r".*",
             optimizer_name="Muon",
-            optimizer_kwargs={
-                "lr": lr,
-                "weight_decay": weight_decay,
-                "momentum": momentum,
-                "nesterov": nesterov,
-                "adjust_lr": adjust_lr,
-            },
+            optimizer_kwargs={"lr": lr, "weight_decay": weight_decay, **muon_kwargs, "adjust_lr": adjust_lr, **extra},
         ),
     ]
 

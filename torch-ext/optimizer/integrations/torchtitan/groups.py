@@ -13,15 +13,17 @@ from ...model_facts import ModelFacts
 from ...param_groups import muon_choice_problems
 from ...roles import RoleRow, RoleTable, decide
 from ...row_blocks import ROW_BLOCKS_KEY
-from ...settings import ADAMW, MUON, options_of
+from ...settings import ADAMW, DION2, MUON, options_of
 from ._torchtitan import ParamGroupConfig, canonical_fqn
 
 logger = logging.getLogger(__name__)
 
 # What a group's optimizer_kwargs may set: every per-group option of its kind (settings.GROUP_OPTIONS,
 # so an option added there is accepted here too), except the row blocks this container sets itself
-# (``fused_qkv_orthogonalization``).
-MUON_GROUP_KEYS = frozenset(o.name for o in options_of(MUON) if o.name != ROW_BLOCKS_KEY)
+# (``fused_qkv_orthogonalization``).  A "Muon" group is Muon or Dion2 (with ``dion2_fraction``): the
+# options of both; the optimizer refuses what does not fit the kind the group is (``momentum`` with
+# ``dion2_fraction``, ``dion2_ef_decay`` without it), naming it.
+MUON_GROUP_KEYS = frozenset(o.name for kind in (MUON, DION2) for o in options_of(kind) if o.name != ROW_BLOCKS_KEY)
 ADAMW_GROUP_KEYS = frozenset(o.name for o in options_of(ADAMW))
 
 
