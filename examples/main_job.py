@@ -41,6 +41,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -52,11 +53,11 @@ if __package__ in (None, ""):  # run as a script: make `examples` and `optimizer
 
 from examples import report  # noqa: E402
 from examples.config import ConfigError, RunConfig, load_config  # noqa: E402
-from examples.train import DEFAULT_TOLERANCE, NORMUON_BETA2, Run, check  # noqa: E402
+from examples.train import DEFAULT_TOLERANCE, DION2_FRACTION, NORMUON_BETA2, Run, check  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "main.toml")
-MUON_LABEL, NORMUON_LABEL, ADAMW_LABEL = "Muon", "NorMuon", "AdamW"
+MUON_LABEL, NORMUON_LABEL, DION2_LABEL, ADAMW_LABEL = "Muon", "NorMuon", "Dion2", "AdamW"
 
 
 def with_lr(cfg: RunConfig, lr: float) -> RunConfig:
@@ -64,28 +65,36 @@ def with_lr(cfg: RunConfig, lr: float) -> RunConfig:
 
 
 def compare(cfg: RunConfig, steps: int | None = None, log=print) -> dict[str, dict]:
-    """Train the Muon run, the NorMuon run (with ``[compare] normuon_lr``) and the AdamW run on
-    this rank, taking turns step by step (so that all see the same machine load); their
-    summaries by label.
+    """Train the Muon run, the NorMuon run (with ``[compare] normuon_lr``), the Dion2 run (with
+    ``[compare] dion2_lr``) and the AdamW run on this rank, taking turns step by step (so that
+    all see the same machine load); their summaries by label.
 
     Collective: every rank of the config's world must call it.
     """
-    qk = f"QK-clip at {cfg.qk_clip.threshold:g}" if cfg.qk_clip.enabled else "QK-clip off"
+    qk, check_steps = (f"QK-clip at {cfg.qk_clip.threshold:g}" if cfg.qk_clip.enabled else "QK-clip off"), \
+        cfg.compare.check_steps
     log(f"{MUON_LABEL}: Muon for matrices + AdamW for the rest, {qk}, lr {cfg.train.lr:g}; its first "
-        f"{cfg.compare.check_steps} steps are checked against single-device Muon")
-    normuon = cfg.compare.normuon_lr is not None
-    if normuon:
-        log(f"{NORMUON_LABEL}: the same with NorMuon (beta2 {NORMUON_BETA2:g}), lr {cfg.compare.normuon_lr:g}, also "
-            "checked against single-device Muon")
-    log(f"{ADAMW_LABEL}: torch.optim.AdamW for every parameter, lr {cfg.compare.adamw_lr:g}")
-    log(f"(the {'three' if normuon else 'two'} runs take turns, a step each)")
-    runs = [Run(cfg, steps, cfg.qk_clip.enabled, log=log, optimizer="muon", check_steps=cfg.compare.check_steps,
+        f"{check_steps} steps are checked against single-device Muon")
+    runs = [Run(cfg, steps, cfg.qk_clip.enabled, log=log, optimizer="muon", check_steps=check_steps,
                 label=MUON_LABEL)]
-    if normuon:
+    if cfg.compare.normuon_lr is not None:
+        log(f"{NORMUON_LABEL}: the same with NorMuon (beta2 {NORMUON_BETA2:g}), lr {cfg.compare.normuon_lr:g}, "
+            "checked against single-device NorMuon")
         runs.append(Run(with_lr(cfg, cfg.compare.normuon_lr), steps, cfg.qk_clip.enabled, log=log,
-                        optimizer="normuon", check_steps=cfg.compare.check_steps, label=NORMUON_LABEL))
+                        optimizer="normuon", check_steps=check_steps, label=NORMUON_LABEL))
+    if cfg.compare.dion2_lr is not None:
+        log(f"{DION2_LABEL}: Muon's groups with dion2_fraction {DION2_FRACTION:g} (Muon's adjust_lr), "
+            f"QK-clip off (not built for Dion2), lr {cfg.compare.dion2_lr:g}, checked against single-device Dion2")
+        with warnings.catch_warnings():
+            # Dion2 on DTensors says once that this version gathers the whole momentum; the job
+            # says it in docs/main_job.md, the screen stays free of framework warnings.
+            warnings.filterwarnings("ignore", message=".*is a DTensor in a Dion2 group.*", category=UserWarning)
+            runs.append(Run(with_lr(cfg, cfg.compare.dion2_lr), steps, False, log=log, optimizer="dion2",
+                            check_steps=check_steps, label=DION2_LABEL))
+    log(f"{ADAMW_LABEL}: torch.optim.AdamW for every parameter, lr {cfg.compare.adamw_lr:g}")
     runs.append(Run(with_lr(cfg, cfg.compare.adamw_lr), steps, False, log=log, optimizer="adamw", check_steps=0,
                     label=ADAMW_LABEL))
+    log(f"(the {len(runs)} runs take turns, a step each)")
     while not all(r.done for r in runs):
         for r in runs:
             if not r.done:
@@ -202,7 +211,7 @@ def main(argv=None) -> int:
             if not problems:
                 checked = [label for label, s in runs.items() if s["check_steps"]]
                 worst = max(runs[label]["max_param_deviation"] for label in checked)
-                print(f"passed: {' and '.join(checked)} on {world} ranks match single-device Muon over their first "
+                print(f"passed: {', '.join(checked)} on {world} ranks match the same optimizer on one device over their first "
                       f"{runs[MUON_LABEL]['check_steps']} steps (max deviation {worst:.1e} <= {args.tolerance:g}); "
                       "every loss fell")
         if launched:

@@ -39,6 +39,9 @@ from ...tensors import local_view
 
 __all__ = ["dion2_dtensor_step_", "gather_whole", "local_piece"]
 
+# all_gather_into_tensor is deprecated in favour of all_gather_single (torch >= 2.10)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def gather_whole(dt) -> Tensor:
     """The global tensor of DTensor ``dt`` on every rank of its mesh (collective): one all-gather
@@ -56,7 +59,7 @@ def gather_whole(dt) -> Tensor:
     for m in sharded:  # after dim m, this rank holds the pieces of every coordinate along it
         out = torch.empty(mesh.shape[m] * pieces.shape[0], pieces.shape[1], dtype=pieces.dtype, device=pieces.device)
         group = mesh.get_group(m)
-        dist.all_gather_into_tensor(out, pieces, group=group)
+        _all_gather(out, pieces, group=group)
         along = [_coordinate_of(mesh, r)[m] for r in dist.get_process_group_ranks(group)]  # group rank order
         coords = [c[:m] + (j,) + c[m + 1:] for j in along for c in coords]
         pieces = out
