@@ -14,8 +14,9 @@ the learning rate with the lowest final validation loss.  The result goes to
 ``--out`` (JSON, with the command, the grid, every run's validation curve and
 step time, the corpus fingerprint and the hardware) and a Markdown table next to
 it; ``configs/main.toml`` then takes ``[train] lr`` (Muon), ``[compare] normuon_lr``
-and ``[compare] adamw_lr`` from it (``tests/end_to_end/test_main_job.py`` checks that
-they agree).
+and ``[compare] adamw_lr`` from it, and ``[compare] dion2_lr`` from Dion2's own sweep
+(``--optimizers dion2 --out examples/results/lr_sweep_dion2.json``; Dion2 is not in the
+default list) (``tests/end_to_end/test_main_job.py`` checks that they agree).
 
 ``--merge OLD.json`` keeps OLD's results for the optimizers this sweep does not run
 (same grid, settings and corpus required), so that one optimizer can be re-swept

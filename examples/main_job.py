@@ -1,4 +1,4 @@
-"""The main job: Muon, NorMuon and AdamW on real text, on a sharded mesh, checked against one device.
+"""The main job: Muon, NorMuon, Dion2 and AdamW on real text, on a sharded mesh, checked against one device.
 
     torchrun --nproc-per-node 4 examples/main_job.py [--config configs/main.toml]
         [--steps N] [--out-dir runs/main_job] [--tolerance 1e-5]
@@ -6,7 +6,7 @@
 (``scripts/demo.sh`` runs exactly this.)  The example transformer learns to
 predict the next byte of the CPython standard library's source and docs
 (``examples/data.py``) on the config's mesh (FSDP2 over TP on 4 ranks for
-``configs/main.toml``), three times, with the same model init, batches, steps and
+``configs/main.toml``), four times, with the same model init, batches, steps and
 learning-rate schedule:
 
 1. **Muon** for the hidden matrices, AdamW for the rest, QK-clip per
@@ -15,19 +15,22 @@ learning-rate schedule:
    the largest deviation of any parameter is reported.
 2. **NorMuon** (Muon with ``normuon_beta2=0.95``, ``examples.train.NORMUON_BETA2``), the same
    otherwise, at ``[compare] normuon_lr`` (no such run without it), checked the same way.
-3. **AdamW** (``torch.optim.AdamW``) for every parameter at ``[compare] adamw_lr``.
+3. **Dion2** (Muon with ``dion2_fraction=DION2_FRACTION``, ``examples.train.DION2_FRACTION``, and
+   Muon's ``adjust_lr``), QK-clip off (Muon refuses it with Dion2), at ``[compare] dion2_lr`` (no
+   such run without it), checked against single-device Dion2.
+4. **AdamW** (``torch.optim.AdamW``) for every parameter at ``[compare] adamw_lr``.
 
 The runs take turns, one step each, so that a busy machine slows them alike
 and their step times can be compared.
 
-The learning rates are the best of the sweep recorded in
-``examples/results/lr_sweep.json`` (``examples/lr_sweep.py``).  Rank 0 prints a
+The learning rates are the best of the sweeps recorded in
+``examples/results/lr_sweep.json`` and ``lr_sweep_dion2.json`` (``examples/lr_sweep.py``).  Rank 0 prints a
 line every ``log_every`` steps, then a table (validation loss at equal steps and
 at equal training seconds, step time, tokens/s, QK-clip, the agreement check),
 and writes to ``--out-dir``: ``main_job.png`` (loss against steps and against
 seconds), ``main_job.md`` (the table) and ``main_job.json`` (everything).
 
-Exit status 1 when the Muon or NorMuon run deviates from single-device Muon by more than
+Exit status 1 when the Muon, NorMuon or Dion2 run deviates from the same optimizer on one device by more than
 ``--tolerance`` or a run's training or validation loss did not fall; 2 on a bad
 config or argument.
 """
@@ -71,8 +74,8 @@ def compare(cfg: RunConfig, steps: int | None = None, log=print) -> dict[str, di
 
     Collective: every rank of the config's world must call it.
     """
-    qk, check_steps = (f"QK-clip at {cfg.qk_clip.threshold:g}" if cfg.qk_clip.enabled else "QK-clip off"), \
-        cfg.compare.check_steps
+    qk = f"QK-clip at {cfg.qk_clip.threshold:g}" if cfg.qk_clip.enabled else "QK-clip off"
+    check_steps = cfg.compare.check_steps
     log(f"{MUON_LABEL}: Muon for matrices + AdamW for the rest, {qk}, lr {cfg.train.lr:g}; its first "
         f"{check_steps} steps are checked against single-device Muon")
     runs = [Run(cfg, steps, cfg.qk_clip.enabled, log=log, optimizer="muon", check_steps=check_steps,
@@ -211,9 +214,9 @@ def main(argv=None) -> int:
             if not problems:
                 checked = [label for label, s in runs.items() if s["check_steps"]]
                 worst = max(runs[label]["max_param_deviation"] for label in checked)
-                print(f"passed: {', '.join(checked)} on {world} ranks match the same optimizer on one device over their first "
-                      f"{runs[MUON_LABEL]['check_steps']} steps (max deviation {worst:.1e} <= {args.tolerance:g}); "
-                      "every loss fell")
+                print(f"passed: {', '.join(checked)} on {world} ranks match the same optimizer on one device over "
+                      f"their first {runs[MUON_LABEL]['check_steps']} steps (max deviation {worst:.1e} <= "
+                      f"{args.tolerance:g}); every loss fell")
         if launched:
             dist.barrier()  # tear down together (see examples/train.py)
     finally:
