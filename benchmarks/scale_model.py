@@ -1,6 +1,7 @@
 """Scale model of parallel Muon: compute balance, traffic and memory per rank, 8 to 1024 ranks.
 
     python benchmarks/scale_model.py [--ranks 8 64 ...] [--hsdp 8x128 16x64 ...] [--out bench_results/]
+        [--dion2-ranks 512 1024] [--dion2-fractions 0.25 0.125]
 
 Nothing runs on a device.  The parameter shapes come from model_shapes.py; the plan
 (units, owners, chunks) is the optimizer's own: every parameter becomes an
@@ -66,6 +67,9 @@ Assumptions (stated again in the Markdown output):
 - Gather-everything baseline: every rank all-gathers every matrix of its shard
   group ((S - 1) / S of the model's bytes received per rank) and runs every
   Newton-Schulz itself.
+- Dion2 (its own section, ``scale_dion2.py``): a prediction from docs/dion2.md's bytes
+  formula and the k-slice submatrix's Newton-Schulz FLOPs, beside Muon's from the same
+  formula, at ``--dion2-ranks`` (FSDP, torchtitan's expert dim); no plan is made for it.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
+import scale_dion2  # noqa: E402
 from model_shapes import ModelShapes, all_models, total_params  # noqa: E402
 from split_bound import expert_bound, lower_bound  # noqa: E402
 from optimizer.distributed.layout import MeshGrid, ParamLayout  # noqa: E402
@@ -731,7 +736,16 @@ def _md_table(results) -> list[str]:
             + ["| " + " | ".join(row) + " |" for row in table_rows(results)])
 
 
-def write_markdown(results, models, args, path):
+def dion2_results(models, args) -> list[dict]:
+    """Dion2 beside Muon at ``--dion2-ranks`` (scale_dion2.py: a prediction from docs/dion2.md's
+    formula), every model, FSDP with torchtitan's expert dim."""
+    wire = _item(DTYPES[args.wire_dtype])
+    return [row for m in models.values() for n in args.dion2_ranks
+            for row in scale_dion2.compare(m, n, args.dion2_fractions, wire, titan_expert_dim(m, n),
+                                           lambda s, k=args.ns_steps: _ns_cost(s, k))]
+
+
+def write_markdown(results, models, args, path, dion2=()):
     doc = __doc__.split("Assumptions (stated again in the Markdown output):", 1)[1]
     chunk = "ranks of the pattern" if args.chunk_size is None else args.chunk_size
     lines = ["# Parallel Muon scale model", "",
@@ -783,6 +797,8 @@ def write_markdown(results, models, args, path):
                   "alone (communication taken as free). Bytes: the all-to-alls and all-gathers plus the split "
                   "collectives, per rank and step.", ""]
         lines += [f"- {split_line(k, v)}" for k, v in splits]
+    if dion2:
+        lines += [""] + scale_dion2.markdown(dion2, args.wire_dtype)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -908,6 +924,10 @@ def main(argv=None):
                    help="ns_split values modelled (each row once per value)")
     p.add_argument("--split-hardware", choices=sorted(SPLIT_HARDWARE), default="cuda",
                    help="figures ns_split plans with: the optimizer's CUDA model, or free communication (a bound)")
+    p.add_argument("--dion2-ranks", type=int, nargs="*", default=list(scale_dion2.DEFAULT_RANKS),
+                   help="FSDP world sizes at which Dion2 is priced beside Muon (a prediction; none: no section)")
+    p.add_argument("--dion2-fractions", type=float, nargs="+", default=list(scale_dion2.DEFAULT_FRACTIONS),
+                   help="Dion2 fractions priced, each in (0, 1]")
     p.add_argument("--models", nargs="+", default=None, help="subset of model names")
     p.add_argument("--out", default="bench_results/", help="folder for JSON, Markdown and PNG")
     args = p.parse_args(argv)
@@ -923,6 +943,10 @@ def main(argv=None):
         p.error("--compute-bytes and --state-bytes must be positive")
     if not args.replica_flops_per_byte >= 0:
         p.error("--replica-flops-per-byte must be >= 0")
+    if any(n < 1 for n in args.dion2_ranks):
+        p.error("--dion2-ranks must be positive integers")
+    if not all(0 < f <= 1 for f in args.dion2_fractions):
+        p.error(f"--dion2-fractions must each be in (0, 1], got {args.dion2_fractions}")
 
     global HARDWARE
     HARDWARE = SPLIT_HARDWARE[args.split_hardware]
@@ -946,6 +970,7 @@ def main(argv=None):
         for r, s in args.hsdp:
             for lay in layouts_to_model(m, r, s, args.experts, args.rank_order == "shard-major"):
                 results += [evaluate(m, lay, split, args, ns) for split in REPLICA_SPLITS for ns in args.ns_split]
+    dion2 = dion2_results(models, args)
     elapsed = time.perf_counter() - t0
 
     print_table(results)
@@ -968,14 +993,22 @@ def main(argv=None):
               f"{SPLIT_TARGET:.2f}x ideal at {TARGET_RANKS[0]}-{TARGET_RANKS[-1]} ranks):")
         for k, v in splits:
             print(f"  {split_line(k, v)}")
+    if dion2:
+        print(f"\nDion2 against Muon, a prediction (docs/dion2.md's bytes formula; NS FLOPs of the k-slice submatrix; "
+              f"FSDP, {args.wire_dtype} wire):")
+        rows = [scale_dion2.HEADER] + scale_dion2.table_rows(dion2)
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        for row in rows:
+            print("  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
 
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "scale_model.json")
     md_path = os.path.join(args.out, "scale_model.md")
     png_path = os.path.join(args.out, "scale_model.png")
     with open(json_path, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "target": TARGET, "results": results}, f, indent=1)
-    write_markdown(results, models, args, md_path)
+        json.dump({"args": {k: v for k, v in vars(args).items()}, "target": TARGET, "results": results,
+                   "dion2": dion2}, f, indent=1)
+    write_markdown(results, models, args, md_path, dion2)
     wrote = [json_path, md_path] + ([png_path] if write_plot(results, png_path) else [])
     print(f"\nmodelled {len(results)} plans in {elapsed:.1f}s; wrote {', '.join(wrote)}")
 

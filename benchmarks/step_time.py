@@ -15,6 +15,8 @@ gradients, it times ``optimizer.step()`` of
   * parallel   this project's Muon, ``distributed_mode="parallel"`` (matrices held by
                several replicas are split over them, ``replica_split="auto"``);
   * normuon    the same with NorMuon (``normuon_beta2=0.95``): its cost over plain Muon;
+  * dion2      the same with Dion2 (``dion2_fraction=0.25``, no momentum coefficient, no
+               QK-clip: Muon refuses both with Dion2): its cost over plain Muon;
   * cautious   the same with cautious weight decay (``cautious_wd=True``);
   * repeat     the same with ``replica_split="never"``: every replica orthogonalises
                its own copy (the path before the split; only with replicas);
@@ -80,11 +82,12 @@ from optimizer import Muon, QKClipConfig  # noqa: E402
 from optimizer.testing import torch_muon_newton_schulz as torch_muon_ns_dtype  # noqa: E402
 from optimizer.newton_schulz.forms import choose_ns_method, default_compute_dtype, newton_schulz_flops  # noqa: E402
 
-VARIANTS = ("parallel", "normuon", "cautious", "whole", "repeat", "classic", "gather", "torch", "titan", "adamw")
+VARIANTS = ("parallel", "normuon", "dion2", "cautious", "whole", "repeat", "classic", "gather", "torch", "titan", "adamw")
 # Muon's options per variant of this project's optimizer (the rest are as "parallel").
 OWN_VARIANTS = {
     "parallel": {},
     "normuon": {"normuon_beta2": 0.95},
+    "dion2": {"dion2_fraction": 0.25},  # no momentum (its momentum is the sum), no QK-clip
     "cautious": {"cautious_wd": True},
     "whole": {},  # ns_split="never" in its group
     "repeat": {"replica_split": "never"},
@@ -94,6 +97,7 @@ OWN_VARIANTS = {
 VARIANT_LABELS = {
     "parallel": "parallel Muon (this project)",
     "normuon": "parallel NorMuon (beta2 0.95)",
+    "dion2": "Dion2 (fraction 0.25)",
     "cautious": "parallel Muon, cautious weight decay",
     "whole": "parallel Muon, every matrix whole on one rank (ns_split never)",
     "repeat": "parallel Muon, replicas repeat the work",
@@ -103,6 +107,8 @@ VARIANT_LABELS = {
     "titan": "torchtitan DistMuon (flex_shard)",
     "adamw": "torch.optim.AdamW (floor)",
 }
+# Variants Muon refuses a momentum coefficient and QK-clip for (Dion2's momentum is the sum).
+NO_MOMENTUM = NO_QK_CLIP = ("dion2",)
 STAGES = ("gather", "orthogonalize", "scatter", "exchange", "update", "qk_clip")
 LAYOUTS = ("fsdp_tp", "strided", "s0s1", "hsdp", "replicated")
 # Same hyper-parameters for every variant (the values do not change the cost).
@@ -218,7 +224,8 @@ def make_optimizer(variant: str, named: list[tuple[str, torch.nn.Parameter]], he
         groups = [{"params": params, "param_names": [n for n, _ in named], "use_muon": True,
                    "ns_method": "classic" if variant == "classic" else "auto",
                    "ns_split": "never" if variant == "whole" else "auto"}]
-        return Muon(groups, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, **OWN_VARIANTS[variant],
+        momentum = {} if variant in NO_MOMENTUM else {"momentum": MOMENTUM}
+        return Muon(groups, lr=LR, weight_decay=WEIGHT_DECAY, **momentum, **OWN_VARIANTS[variant],
                     qk_clip=QKClipConfig(head_dim=head_dim, threshold=QK_THRESHOLD) if qk_clip else None)
     if variant == "torch":
         return torch.optim.Muon(params, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
@@ -283,7 +290,7 @@ class VariantRun:
         named = build_params(specs, mesh, mesh_names, args.layout, device, args.seed)
         self.named = named
         self.steps_taken = 0
-        qk = variant in OWN_VARIANTS and not args.no_qk_clip
+        qk = variant in OWN_VARIANTS and variant not in NO_QK_CLIP and not args.no_qk_clip
         self.opt = make_optimizer(variant, named, args.head_dim, qk)
         self.kwargs = {"qk_logits": qk_logits_for(specs, args.head_dim)} if qk else {}
         self.ns_dtype = resolve_torch_muon_dtype(args.torch_muon_dtype, device) if variant == "torch" else None
@@ -488,6 +495,11 @@ def render_markdown(result: dict) -> str:
                       f"(medians; paired {row['paired_ratio_median']:.3f}x); collectives per step "
                       f"{'the same' if same else 'DIFFERENT'} ({row['stages_per_rank'][0]['all_to_alls']} all-to-alls, "
                       f"{row['stages_per_rank'][0]['all_gathers']} all-gathers on rank 0), bytes sent {extra:+.2%}."]
+    dion2 = result["results"].get("dion2", {})
+    if "time" in split and "time" in dion2:
+        lines += ["", f"{VARIANT_LABELS['dion2']} vs parallel Muon: **{dion2['time']['median_s'] / split['time']['median_s']:.3f}x** "
+                  f"(medians; paired {dion2['paired_ratio_median']:.3f}x); Muon's step with QK-clip "
+                  f"{'on' if result['qk_clip'] else 'off'}, Dion2's without (Muon refuses QK-clip with Dion2)."]
     whole = result["results"].get("whole", {})
     if "time" in split and "time" in whole:
         lines += ["", "Newton–Schulz of a matrix split over ranks (ns_split auto) vs every matrix whole on one rank: "
@@ -510,6 +522,10 @@ def render_markdown(result: dict) -> str:
     for v in OWN_VARIANTS:
         per_rank = result["results"].get(v, {}).get("stages_per_rank")
         if not per_rank:
+            continue
+        if not any(st["all_to_alls"] or st["all_gathers"] or st["bytes_sent"] for st in per_rank) and v == "dion2":
+            lines += ["", f"{VARIANT_LABELS[v]}: the step's stats count no collective (this version's DTensor path "
+                      "gathers each momentum outside the pipeline, docs/dion2.md); its bytes are not measured here."]
             continue
         lines += ["", f"## {VARIANT_LABELS[v]}: stages per rank (median seconds; bytes of the last step)", ""]
         lines.append("| rank | " + " | ".join(STAGES) + " | other | sent | received | all_to_alls | all_gathers |")

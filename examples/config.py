@@ -13,7 +13,7 @@ Sections (all keys optional unless noted; unknown keys are errors)::
     [data]       source ("synthetic" | "stdlib"), val_sequences
     [qk_clip]    enabled, threshold, head_dim (defaults to model.head_dim; not with MLA)
     [muon]       row_blocks ("none" | "qkv" | "heads"), dion2_fraction, dion2_ef_decay, normuon_beta2
-    [compare]    adamw_lr, check_steps, normuon_lr   (read by examples/main_job.py only)
+    [compare]    adamw_lr, check_steps, normuon_lr, dion2_lr   (read by examples/main_job.py only)
     [placements] "name-glob" = ["Shard(1)", "Replicate()", "_StridedShard(0, sf=2)", ...]
 
 ``[data] source = "stdlib"`` trains on the standard-library text corpus
@@ -22,8 +22,8 @@ allows ``eval_every`` (validation loss every that many steps, on
 ``val_sequences`` fixed windows); ``"synthetic"`` is the permutation task.
 ``[compare]`` is the main job's: the learning rate of the AdamW-only run (the
 Muon run uses ``train.lr``), of the NorMuon run (``normuon_lr``; none without it),
-and how many of the Muon (and NorMuon) run's first steps are checked against
-single-device Muon.
+of the Dion2 run (``dion2_lr``; none without it), and how many of the Muon-family
+runs' first steps are checked against the same optimizer on one device.
 
 ``[model] attention`` picks the attention (``examples/model.py``); the MLA sizes
 (``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
@@ -128,6 +128,7 @@ class CompareConfig:
     adamw_lr: float = 1e-3
     check_steps: int = 20
     normuon_lr: float | None = None  # the main job's NorMuon run (None: no such run)
+    dion2_lr: float | None = None  # the main job's Dion2 run (None: no such run)
 
 
 @dataclass(frozen=True)
@@ -289,8 +290,10 @@ def build_config(raw: dict, name: str, world_size: int | None = None, where: str
     for key, value in (("train.lr", train.lr), ("compare.adamw_lr", compare.adamw_lr)):
         if not value > 0:
             raise fail(key, f"must be > 0, got {value}")
-    if compare.normuon_lr is not None and not compare.normuon_lr > 0:
-        raise fail("compare.normuon_lr", f"must be > 0, got {compare.normuon_lr!r}")
+    for key in ("normuon_lr", "dion2_lr"):
+        value = getattr(compare, key)
+        if value is not None and not value > 0:
+            raise fail(f"compare.{key}", f"must be > 0, got {value!r}")
     if compare.check_steps < 0:
         raise fail("compare.check_steps", f"must be >= 0, got {compare.check_steps}")
     if data.source not in DATA_SOURCES:
@@ -386,7 +389,7 @@ def _dataclass_from(cls, values, section: str, fail):
 def _expected_types(cls, f: dataclasses.Field) -> tuple[type, ...]:
     if cls is QKClipSettings and f.name == "head_dim":
         return (int,)
-    if (cls is CompareConfig and f.name == "normuon_lr") or (cls is MuonSettings and f.name in MUON_GROUP_OPTIONS):
+    if (cls is CompareConfig and f.name in ("normuon_lr", "dion2_lr")) or (cls is MuonSettings and f.name in MUON_GROUP_OPTIONS):
         return (float, int)
     if isinstance(f.default, bool):
         return (bool,)

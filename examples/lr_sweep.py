@@ -5,7 +5,8 @@
 
 Trains the main job's model on the main job's data with each optimizer
 ("muon": Muon + AdamW for non-matrix parameters, QK-clip as configured; "normuon":
-the same with NorMuon, beta2 ``examples.train.NORMUON_BETA2``; "adamw":
+the same with NorMuon, beta2 ``examples.train.NORMUON_BETA2``; "dion2": the same with
+Dion2, fraction ``examples.train.DION2_FRACTION``, QK-clip off; "adamw":
 torch.optim.AdamW for everything) at every learning rate of one shared grid,
 with everything else exactly as in the main job (init, batches, steps, warmup,
 cosine schedule, weight decay, QK-clip threshold), and picks for each optimizer
@@ -13,8 +14,9 @@ the learning rate with the lowest final validation loss.  The result goes to
 ``--out`` (JSON, with the command, the grid, every run's validation curve and
 step time, the corpus fingerprint and the hardware) and a Markdown table next to
 it; ``configs/main.toml`` then takes ``[train] lr`` (Muon), ``[compare] normuon_lr``
-and ``[compare] adamw_lr`` from it (``tests/end_to_end/test_main_job.py`` checks that
-they agree).
+and ``[compare] adamw_lr`` from it, and ``[compare] dion2_lr`` from Dion2's own sweep
+(``--optimizers dion2 --out examples/results/lr_sweep_dion2.json``; Dion2 is not in the
+default list) (``tests/end_to_end/test_main_job.py`` checks that they agree).
 
 ``--merge OLD.json`` keeps OLD's results for the optimizers this sweep does not run
 (same grid, settings and corpus required), so that one optimizer can be re-swept
@@ -51,7 +53,12 @@ DEFAULT_OUT = os.path.join(ROOT, "examples", "results", "lr_sweep.json")
 # Factors of 2 around the usual range for both (Muon's matched-RMS learning rate
 # is on AdamW's scale).
 DEFAULT_LRS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032)
-OPTIMIZERS = ("muon", "normuon", "adamw")
+OPTIMIZERS = ("muon", "normuon", "dion2", "adamw")
+# What a sweep runs unless --optimizers says otherwise (Dion2's sweep has its own record,
+# examples/results/lr_sweep_dion2.json).
+DEFAULT_OPTIMIZERS = ("muon", "normuon", "adamw")
+# Optimizers that run without QK-clip (AdamW has none; Muon refuses it with Dion2 groups).
+NO_QK_CLIP = ("dion2", "adamw")
 
 
 def single_process(cfg: RunConfig) -> RunConfig:
@@ -66,7 +73,7 @@ def run_one(config_path: str, optimizer: str, lr: float, steps: int | None) -> d
     from examples.train import train
 
     torch.set_num_threads(1)
-    uses_qk_clip = optimizer != "adamw"
+    uses_qk_clip = optimizer not in NO_QK_CLIP
     cfg = single_process(load_config(config_path))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=lr))
     s = train(cfg, steps=steps, use_qk_clip=(uses_qk_clip and cfg.qk_clip.enabled), optimizer=optimizer,
@@ -119,7 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", default=DEFAULT_CONFIG)
     ap.add_argument("--lrs", default=",".join(f"{x:g}" for x in DEFAULT_LRS),
                     help="comma-separated learning rates, the same grid for every optimizer")
-    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS), help=f"comma-separated subset of {OPTIMIZERS}")
     ap.add_argument("--steps", type=int, default=None, help="override [train] steps")
     ap.add_argument("--jobs", type=int, default=2, help="runs side by side (one thread each)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="JSON record; a .md table is written next to it")

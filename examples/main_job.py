@@ -1,4 +1,4 @@
-"""The main job: Muon, NorMuon and AdamW on real text, on a sharded mesh, checked against one device.
+"""The main job: Muon, NorMuon, Dion2 and AdamW on real text, on a sharded mesh, checked against one device.
 
     torchrun --nproc-per-node 4 examples/main_job.py [--config configs/main.toml]
         [--steps N] [--out-dir runs/main_job] [--tolerance 1e-5]
@@ -6,7 +6,7 @@
 (``scripts/demo.sh`` runs exactly this.)  The example transformer learns to
 predict the next byte of the CPython standard library's source and docs
 (``examples/data.py``) on the config's mesh (FSDP2 over TP on 4 ranks for
-``configs/main.toml``), three times, with the same model init, batches, steps and
+``configs/main.toml``), four times, with the same model init, batches, steps and
 learning-rate schedule:
 
 1. **Muon** for the hidden matrices, AdamW for the rest, QK-clip per
@@ -15,19 +15,22 @@ learning-rate schedule:
    the largest deviation of any parameter is reported.
 2. **NorMuon** (Muon with ``normuon_beta2=0.95``, ``examples.train.NORMUON_BETA2``), the same
    otherwise, at ``[compare] normuon_lr`` (no such run without it), checked the same way.
-3. **AdamW** (``torch.optim.AdamW``) for every parameter at ``[compare] adamw_lr``.
+3. **Dion2** (Muon with ``dion2_fraction=DION2_FRACTION``, ``examples.train.DION2_FRACTION``, and
+   Muon's ``adjust_lr``), QK-clip off (Muon refuses it with Dion2), at ``[compare] dion2_lr`` (no
+   such run without it), checked against single-device Dion2.
+4. **AdamW** (``torch.optim.AdamW``) for every parameter at ``[compare] adamw_lr``.
 
 The runs take turns, one step each, so that a busy machine slows them alike
 and their step times can be compared.
 
-The learning rates are the best of the sweep recorded in
-``examples/results/lr_sweep.json`` (``examples/lr_sweep.py``).  Rank 0 prints a
+The learning rates are the best of the sweeps recorded in
+``examples/results/lr_sweep.json`` and ``lr_sweep_dion2.json`` (``examples/lr_sweep.py``).  Rank 0 prints a
 line every ``log_every`` steps, then a table (validation loss at equal steps and
 at equal training seconds, step time, tokens/s, QK-clip, the agreement check),
 and writes to ``--out-dir``: ``main_job.png`` (loss against steps and against
 seconds), ``main_job.md`` (the table) and ``main_job.json`` (everything).
 
-Exit status 1 when the Muon or NorMuon run deviates from single-device Muon by more than
+Exit status 1 when the Muon, NorMuon or Dion2 run deviates from the same optimizer on one device by more than
 ``--tolerance`` or a run's training or validation loss did not fall; 2 on a bad
 config or argument.
 """
@@ -52,11 +55,11 @@ if __package__ in (None, ""):  # run as a script: make `examples` and `optimizer
 
 from examples import report  # noqa: E402
 from examples.config import ConfigError, RunConfig, load_config  # noqa: E402
-from examples.train import DEFAULT_TOLERANCE, NORMUON_BETA2, Run, check  # noqa: E402
+from examples.train import DEFAULT_TOLERANCE, DION2_FRACTION, NORMUON_BETA2, Run, check  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "main.toml")
-MUON_LABEL, NORMUON_LABEL, ADAMW_LABEL = "Muon", "NorMuon", "AdamW"
+MUON_LABEL, NORMUON_LABEL, DION2_LABEL, ADAMW_LABEL = "Muon", "NorMuon", "Dion2", "AdamW"
 
 
 def with_lr(cfg: RunConfig, lr: float) -> RunConfig:
@@ -64,28 +67,32 @@ def with_lr(cfg: RunConfig, lr: float) -> RunConfig:
 
 
 def compare(cfg: RunConfig, steps: int | None = None, log=print) -> dict[str, dict]:
-    """Train the Muon run, the NorMuon run (with ``[compare] normuon_lr``) and the AdamW run on
-    this rank, taking turns step by step (so that all see the same machine load); their
-    summaries by label.
+    """Train the Muon run, the NorMuon run (with ``[compare] normuon_lr``), the Dion2 run (with
+    ``[compare] dion2_lr``) and the AdamW run on this rank, taking turns step by step (so that
+    all see the same machine load); their summaries by label.
 
     Collective: every rank of the config's world must call it.
     """
     qk = f"QK-clip at {cfg.qk_clip.threshold:g}" if cfg.qk_clip.enabled else "QK-clip off"
+    check_steps = cfg.compare.check_steps
     log(f"{MUON_LABEL}: Muon for matrices + AdamW for the rest, {qk}, lr {cfg.train.lr:g}; its first "
-        f"{cfg.compare.check_steps} steps are checked against single-device Muon")
-    normuon = cfg.compare.normuon_lr is not None
-    if normuon:
-        log(f"{NORMUON_LABEL}: the same with NorMuon (beta2 {NORMUON_BETA2:g}), lr {cfg.compare.normuon_lr:g}, also "
-            "checked against single-device Muon")
-    log(f"{ADAMW_LABEL}: torch.optim.AdamW for every parameter, lr {cfg.compare.adamw_lr:g}")
-    log(f"(the {'three' if normuon else 'two'} runs take turns, a step each)")
-    runs = [Run(cfg, steps, cfg.qk_clip.enabled, log=log, optimizer="muon", check_steps=cfg.compare.check_steps,
+        f"{check_steps} steps are checked against single-device Muon")
+    runs = [Run(cfg, steps, cfg.qk_clip.enabled, log=log, optimizer="muon", check_steps=check_steps,
                 label=MUON_LABEL)]
-    if normuon:
+    if cfg.compare.normuon_lr is not None:
+        log(f"{NORMUON_LABEL}: the same with NorMuon (beta2 {NORMUON_BETA2:g}), lr {cfg.compare.normuon_lr:g}, "
+            "checked against single-device NorMuon")
         runs.append(Run(with_lr(cfg, cfg.compare.normuon_lr), steps, cfg.qk_clip.enabled, log=log,
-                        optimizer="normuon", check_steps=cfg.compare.check_steps, label=NORMUON_LABEL))
+                        optimizer="normuon", check_steps=check_steps, label=NORMUON_LABEL))
+    if cfg.compare.dion2_lr is not None:
+        log(f"{DION2_LABEL}: Muon's groups with dion2_fraction {DION2_FRACTION:g} (Muon's adjust_lr), "
+            f"QK-clip off (as in its lr sweep), lr {cfg.compare.dion2_lr:g}, checked against single-device Dion2")
+        runs.append(Run(with_lr(cfg, cfg.compare.dion2_lr), steps, False, log=log, optimizer="dion2",
+                        check_steps=check_steps, label=DION2_LABEL))
+    log(f"{ADAMW_LABEL}: torch.optim.AdamW for every parameter, lr {cfg.compare.adamw_lr:g}")
     runs.append(Run(with_lr(cfg, cfg.compare.adamw_lr), steps, False, log=log, optimizer="adamw", check_steps=0,
                     label=ADAMW_LABEL))
+    log(f"(the {len(runs)} runs take turns, a step each)")
     while not all(r.done for r in runs):
         for r in runs:
             if not r.done:
@@ -202,9 +209,9 @@ def main(argv=None) -> int:
             if not problems:
                 checked = [label for label, s in runs.items() if s["check_steps"]]
                 worst = max(runs[label]["max_param_deviation"] for label in checked)
-                print(f"passed: {' and '.join(checked)} on {world} ranks match single-device Muon over their first "
-                      f"{runs[MUON_LABEL]['check_steps']} steps (max deviation {worst:.1e} <= {args.tolerance:g}); "
-                      "every loss fell")
+                print(f"passed: {', '.join(checked)} on {world} ranks match the same optimizer on one device over "
+                      f"their first {runs[MUON_LABEL]['check_steps']} steps (max deviation {worst:.1e} <= "
+                      f"{args.tolerance:g}); every loss fell")
         if launched:
             dist.barrier()  # tear down together (see examples/train.py)
     finally:

@@ -104,7 +104,7 @@ def comparison_rows(runs: dict[str, dict], tolerance: float) -> list[tuple[str, 
     rows.append(("max QK logit: first step / highest / last step",
                  *(f"{s['max_qk_logit'][0]:.1f} / {max(s['max_qk_logit']):.1f} / {s['max_qk_logit'][-1]:.1f}"
                    for s in summaries)))
-    rows.append((f"largest deviation from single-device Muon (tolerance {tolerance:g})",
+    rows.append((f"largest deviation from the same optimizer on one device (tolerance {tolerance:g})",
                  *((f"{s['max_param_deviation']:.1e} ({s['check_steps']} steps)" if s["check_steps"] else "not run")
                    for s in summaries)))
     return rows
@@ -205,6 +205,8 @@ def recorded_blocks(results_dir: str) -> dict[str, str]:
         job = json.load(f)
     with open(os.path.join(results_dir, "lr_sweep.md")) as f:
         sweep_table = f.read()
+    with open(os.path.join(results_dir, "lr_sweep_dion2.md")) as f:
+        dion2_sweep_table = f.read()
     hw = job["hardware"]
     hardware = (f"Hardware: {hw['cpu']}, {hw['cpu_count']} cores, {hw['platform']}; torch {hw['torch']}, "
                 f"CPython {hw['python']}; gloo, {job['world_size']} ranks with {hw['threads_per_rank']} thread "
@@ -213,6 +215,7 @@ def recorded_blocks(results_dir: str) -> dict[str, str]:
         "main-job-table": markdown_table(comparison_rows(job["runs"], job["tolerance"])),
         "main-job-hardware": hardware,
         "lr-sweep-table": sweep_table,
+        "lr-sweep-dion2-table": dion2_sweep_table,
     }
 
 

@@ -93,9 +93,14 @@ ADAMW_BETAS = (0.9, 0.95)
 ADAMW_EPS = 1e-8
 # The cosine schedule decays to this fraction of the peak learning rate.
 COSINE_FLOOR = 0.1
-OPTIMIZERS = ("muon", "normuon", "adamw")
+OPTIMIZERS = ("muon", "normuon", "dion2", "adamw")
 # NorMuon's beta2 in the examples ("normuon" runs): dion's default (and the paper's).
 NORMUON_BETA2 = 0.95
+# Dion2's fraction in the examples ("dion2" runs): the paper's headline setting (Muon's loss at 0.25).
+DION2_FRACTION = 0.25
+# The keywords each Muon-family optimizer adds to Muon's (the rest, adjust_lr included, is Muon's).
+VARIANT_OPTIONS = {"muon": {}, "normuon": {"normuon_beta2": NORMUON_BETA2},
+                   "dion2": {"dion2_fraction": DION2_FRACTION}, "adamw": {}}
 
 
 def synthetic_batch(cfg: RunConfig, step: int) -> torch.Tensor:
@@ -130,18 +135,22 @@ def make_optimizer(model, cfg: RunConfig, use_qk_clip: bool, distributed_mode: s
     """Muon for the matrices (row blocks per ``[muon]``), AdamW (inside Muon) for the rest,
     at ``cfg.train.lr``; QK-clip for the config's attention; Newton–Schulz in
     ``compute_dtype`` (None: fp32); ``muon_options``: more of Muon's keywords (the variants:
-    ``normuon_beta2``, ``cautious_wd``, ``momentum_dtype``)."""
+    ``normuon_beta2``, ``cautious_wd``, ``momentum_dtype``, ``dion2_fraction``).  Dion2 has no
+    momentum coefficient (its momentum is the sum, Muon refuses one): ``[train] momentum`` goes
+    to Muon only."""
+    options = muon_options or {}
+    momentum = {} if options.get("dion2_fraction") is not None else {"momentum": cfg.train.momentum}
     return Muon(
         muon_param_groups(model, cfg),
         lr=cfg.train.lr,
         weight_decay=cfg.train.weight_decay,
-        momentum=cfg.train.momentum,
+        **momentum,
         adamw_betas=ADAMW_BETAS,
         adamw_eps=ADAMW_EPS,
         qk_clip=qk_clip_config(cfg) if use_qk_clip else None,
         distributed_mode=distributed_mode,
         compute_dtype=compute_dtype or torch.float32,
-        **(muon_options or {}),
+        **options,
     )
 
 
@@ -195,9 +204,10 @@ class Run:
     (so that two runs can take turns on a shared machine and see the same load).
 
     ``optimizer``: "muon" (:func:`make_optimizer`), "normuon" (the same with
-    ``normuon_beta2=NORMUON_BETA2``) or "adamw" (:func:`make_adamw`, no QK-clip), all at
+    ``normuon_beta2=NORMUON_BETA2``), "dion2" (the same with ``dion2_fraction=DION2_FRACTION``;
+    no QK-clip: Muon refuses it with Dion2 groups) or "adamw" (:func:`make_adamw`, no QK-clip), all at
     ``cfg.train.lr`` with the config's schedule over ``steps``; ``muon_options``: more of
-    Muon's keywords (the variants) for "muon"/"normuon".
+    Muon's keywords (the variants) for the Muon family.
     ``check_steps``: how many first steps run the lockstep reference (None: all);
     the deviation is measured after the last checked step.  Validation loss is
     measured before the first step, every ``cfg.train.eval_every`` steps and after
@@ -227,8 +237,7 @@ class Run:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.device, self.compute_dtype = torch.device(device), compute_dtype
-        self.muon_options = {**({"normuon_beta2": NORMUON_BETA2} if optimizer == "normuon" else {}),
-                             **(muon_options or {})}
+        self.muon_options = {**VARIANT_OPTIONS[optimizer], **(muon_options or {})}
         if optimizer == "adamw" and self.muon_options:
             raise ValueError(f"Muon's options {sorted(self.muon_options)} do not apply to the AdamW baseline")
 

@@ -13,8 +13,9 @@ everything between them is replaced, everything outside is left alone.  The bloc
   (ranks, mesh, attention) and the file's own header comment (what it is);
 * ``module-map`` — every module of ``torch-ext/optimizer`` with its docstring's first sentence
   (``scripts/house.py``), in docs/architecture.md;
-* ``main-job-table``, ``main-job-hardware``, ``lr-sweep-table`` — the recorded main job and
-  learning-rate sweep (``examples/results/``, through ``examples.report.recorded_blocks``).
+* ``main-job-table``, ``main-job-hardware``, ``lr-sweep-table``, ``lr-sweep-dion2-table`` — the
+  recorded main job and learning-rate sweeps (``examples/results/``, through
+  ``examples.report.recorded_blocks``).
 
 tests/docs/test_generated_docs.py fails when a committed file differs from what this script
 writes, so adding an option to settings/declarations.py (or a config) without rerunning it fails CI.
@@ -171,7 +172,8 @@ def generators() -> dict[str, Callable[[], str]]:
 
     out: dict[str, Callable[[], str]] = {"options-table": options_table, "config-matrix": config_matrix,
                                          "module-map": module_map}
-    out.update({name: recorded(name) for name in ("main-job-table", "main-job-hardware", "lr-sweep-table")})
+    out.update({name: recorded(name) for name in ("main-job-table", "main-job-hardware", "lr-sweep-table",
+                                                  "lr-sweep-dion2-table")})
     return out
 
 

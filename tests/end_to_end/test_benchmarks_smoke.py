@@ -76,6 +76,10 @@ def test_step_time_fsdp_two_ranks(tmp_path):
         assert a["all_to_alls"] == b["all_to_alls"] == c["all_to_alls"] and a["all_gathers"] == b["all_gathers"]
         assert a["bytes_sent"] == c["bytes_sent"] < b["bytes_sent"]
     assert "parallel NorMuon (beta2 0.95) vs parallel Muon" in md and "collectives per step the same" in md
+    # Dion2 in the same launch, on the same parameters: its ratio to parallel Muon is printed
+    dion2 = result["results"]["dion2"]
+    assert dion2["time"]["n"] == 2 and dion2["ratio_to_parallel"] > 0
+    assert f"Dion2 (fraction 0.25) vs parallel Muon: **{dion2['ratio_to_parallel']:.3f}x**" in md
 
 
 def test_step_time_one_matrix_split_over_two_ranks(tmp_path):

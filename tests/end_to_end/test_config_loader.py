@@ -246,6 +246,9 @@ def test_unknown_keys_are_named(tmp_path, text, key):
         ("threshold = 5.0", "threshold = -1", "qk_clip.threshold", "> 0"),
         ("dp_shard = 2\ntp = 2", "dp_shard = 2\nep = 2\ntp = 2", "mesh.ep", "tp"),
         ("tp = 2\n\n[model]\n", "ep = 2\n\n[model]\nexpert_dim = 9\n", "model.expert_dim", "dim 1"),
+        ("threshold = 5.0", "threshold = 5.0\n\n[compare]\ndion2_lr = 0", "compare.dion2_lr", "> 0"),
+        ("threshold = 5.0", "threshold = 5.0\n\n[compare]\ndion2_lr = \"x\"", "compare.dion2_lr", "expected float"),
+        ("threshold = 5.0", "threshold = 5.0\n\n[compare]\nnormuon_lr = -1", "compare.normuon_lr", "> 0"),
     ],
 )
 def test_bad_values_are_named(tmp_path, old, new, key, words):

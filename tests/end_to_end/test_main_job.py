@@ -28,11 +28,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from examples import data, report
 from examples.config import ConfigError, build_config, load_config
 from examples.model import ModelArgs, build_model
-from examples.train import COSINE_FLOOR, NORMUON_BETA2, lr_multiplier
+from examples.train import COSINE_FLOOR, DION2_FRACTION, NORMUON_BETA2, lr_multiplier
 from harness import run_ranks
 from repo import REPO
 
@@ -81,6 +82,7 @@ threshold = 3.0
 [compare]
 adamw_lr = 0.01
 normuon_lr = 0.015
+dion2_lr = 0.02
 check_steps = 4
 """
 
@@ -107,7 +109,7 @@ def test_main_job_tiny_under_torchrun(tiny_config, tmp_path):
 
     # a screen a person can read: no framework warnings, one line per log_every steps, a table
     assert "Warning" not in log and "returned a view tensor" not in log, log[-8000:]
-    for label in ("Muon", "NorMuon", "AdamW"):
+    for label in ("Muon", "NorMuon", "Dion2", "AdamW"):
         assert len(re.findall(rf"^\s*{label} step\s+\d+/30", proc.stdout, re.M)) == 3, proc.stdout
     assert "val loss @ step 30" in proc.stdout and "passed:" in proc.stdout
 
@@ -117,24 +119,26 @@ def test_main_job_tiny_under_torchrun(tiny_config, tmp_path):
 
     height, width, _ = matplotlib.image.imread(str(out_dir / "main_job.png")).shape
     assert width > 800 and height > 300
-    assert (out_dir / "main_job.md").read_text().startswith("|  | Muon | NorMuon | AdamW |")
+    assert (out_dir / "main_job.md").read_text().startswith("|  | Muon | NorMuon | Dion2 | AdamW |")
 
     summary = json.loads((out_dir / "main_job.json").read_text())
     runs = summary["runs"]
-    assert list(runs) == ["Muon", "NorMuon", "AdamW"]
-    muon, normuon, adamw = runs["Muon"], runs["NorMuon"], runs["AdamW"]
-    for s in (muon, normuon, adamw):
+    assert list(runs) == ["Muon", "NorMuon", "Dion2", "AdamW"]
+    muon, normuon, dion2, adamw = runs["Muon"], runs["NorMuon"], runs["Dion2"], runs["AdamW"]
+    for s in (muon, normuon, dion2, adamw):
         assert s["steps"] == 30 and len(s["losses"]) == 30 and len(s["step_times_s"]) == 30
         assert [e["step"] for e in s["evals"]] == [0, 10, 20, 30]
         assert s["evals"][-1]["val_loss"] < s["evals"][0]["val_loss"] - 0.5  # clearly learned
         assert s["last_loss"] < s["first_loss"]
         assert s["world_size"] == 4 and s["mesh"] == {"dp_shard": 2, "tp": 2}
         assert s["corpus"]["python"] == sys.version.split()[0]
-    # the agreement check ran over the Muon and NorMuon runs' first steps and passed; AdamW had none
-    for s in (muon, normuon):
+    # the agreement check ran over the Muon-family runs' first steps and passed; AdamW had none
+    for s in (muon, normuon, dion2):
         assert s["check_steps"] == 4 and s["max_param_deviation"] is not None
         assert s["max_param_deviation"] <= summary["tolerance"] == 1e-5
     assert normuon["muon_options"] == {"normuon_beta2": 0.95} and muon["muon_options"] == {}
+    assert dion2["muon_options"] == {"dion2_fraction": 0.25} and dion2["optimizer"] == "dion2"
+    assert not dion2["qk_clip"] and dion2["lr"] == 0.02  # as in its lr sweep (examples/lr_sweep.py)
     assert len(muon["param_deviation"]) == len(list(build_model(load_config(tiny_config).model, 0).parameters()))
     assert adamw["check_steps"] == 0 and adamw["max_param_deviation"] is None
     assert muon["qk_clip"] and sum(muon["heads_clipped"]) > 0 and not adamw["qk_clip"]
@@ -143,7 +147,7 @@ def test_main_job_tiny_under_torchrun(tiny_config, tmp_path):
 
 
 def _compare_with_faults(rank, world_size, config_path):
-    """compare() with a reference that differs (lr x 1.001) and an AdamW lr that diverges."""
+    """compare() with references that differ (Muon's and Dion2's: lr x 1.001) and an AdamW lr that diverges."""
     import examples.train as train_mod
     from examples.main_job import acceptance_problems, compare
 
@@ -154,7 +158,9 @@ def _compare_with_faults(rank, world_size, config_path):
 
     def make(model, cfg_, *args, **kwargs):
         made.append(model)
-        if len(made) == 2 and rank == 0:  # rank 0's single-device reference of the Muon run
+        # rank 0's single-device references (plain tensors) of the Muon and Dion2 runs, not NorMuon's
+        reference = not isinstance(next(model.parameters()), DTensor)
+        if reference and "normuon_beta2" not in kwargs.get("muon_options", {}):
             cfg_ = dataclasses.replace(cfg_, train=dataclasses.replace(cfg_.train, lr=cfg_.train.lr * 1.001))
         return original(model, cfg_, *args, **kwargs)
 
@@ -170,6 +176,9 @@ def test_main_job_fails_on_deviation_and_on_a_loss_that_does_not_fall(tiny_confi
     problems = run_ranks(_compare_with_faults, 4, tiny_config, timeout=240)[0]
     assert any(p.startswith("Muon: parameter") and "deviates from the single-device run" in p
                for p in problems), problems
+    assert any(p.startswith("Dion2: parameter") and "deviates from the single-device run" in p
+               for p in problems), problems
+    assert not any(p.startswith("NorMuon:") for p in problems), problems  # its reference was left alone
     assert any(p.startswith("AdamW: validation loss did not fall") for p in problems), problems
     assert not any(p.startswith("Muon: validation") for p in problems), problems
 
@@ -395,7 +404,8 @@ def test_comparison_points_and_table():
     assert rows["QK-clip: heads clipped (steps with a clip)"] == ("3 (2)", "off")
     assert rows["tokens/s"] == ("10", "5")
     assert rows["max QK logit: first step / highest / last step"] == ("5.0 / 8.0 / 8.0", "5.0 / 9.0 / 9.0")
-    assert rows["largest deviation from single-device Muon (tolerance 1e-05)"] == ("0.0e+00 (2 steps)", "not run")
+    assert rows["largest deviation from the same optimizer on one device (tolerance 1e-05)"] == \
+        ("0.0e+00 (2 steps)", "not run")
     table = report.markdown_table(report.comparison_rows({"A": fast, "B": slow}, 1e-5))
     assert all(line.count("|") == 4 for line in table.splitlines())  # no cell breaks the Markdown table
 
@@ -472,6 +482,16 @@ def assert_recorded_settings(recorded: dict | None, current) -> None:
     assert {k: now[k] for k in added} == {k: defaults[k] for k in added}, "a setting added since is not at its default"
 
 
+def assert_sweep_ran_the_main_settings(settings: dict, cfg) -> None:
+    """The sweep ran the main job's settings (all but the learning rate it varies)."""
+    assert settings["steps"] == cfg.train.steps
+    assert_recorded_settings(settings["model"], cfg.model)
+    assert {k: v for k, v in settings["train"].items() if k != "lr"} == \
+        {k: v for k, v in dataclasses.asdict(cfg.train).items() if k != "lr"}
+    assert settings["data"] == dataclasses.asdict(cfg.data)
+    assert settings["qk_clip"] == dataclasses.asdict(cfg.qk_clip)
+
+
 def test_main_config_uses_the_recorded_sweep():
     sweep = _load_json("lr_sweep.json")
     cfg = load_config(MAIN_CONFIG)
@@ -481,16 +501,29 @@ def test_main_config_uses_the_recorded_sweep():
     assert cfg.compare.normuon_lr == sweep["best"]["normuon"]["lr"]
     assert not any(sweep["best"][o]["at_edge"] for o in ("muon", "normuon", "adamw"))
     assert sweep["settings"]["normuon_beta2"] == NORMUON_BETA2
-    # the sweep ran the main job's settings (all but the learning rate it varies)
-    settings = sweep["settings"]
-    assert settings["steps"] == cfg.train.steps
-    assert_recorded_settings(settings["model"], cfg.model)
-    assert {k: v for k, v in settings["train"].items() if k != "lr"} == \
-        {k: v for k, v in dataclasses.asdict(cfg.train).items() if k != "lr"}
-    assert settings["data"] == dataclasses.asdict(cfg.data)
-    assert settings["qk_clip"] == dataclasses.asdict(cfg.qk_clip)
+    assert_sweep_ran_the_main_settings(sweep["settings"], cfg)
     assert sweep["optimizers"] == ["muon", "normuon", "adamw"]
     assert len(sweep["results"]) == len(sweep["grid"]) * 3
+
+
+def test_main_config_uses_the_recorded_dion2_sweep():
+    """Dion2's learning rate: its own sweep (examples/results/lr_sweep_dion2.json), with the main
+    job's settings and Muon's adjust_lr, best inside its grid."""
+    sweep, main = _load_json("lr_sweep_dion2.json"), _load_json("lr_sweep.json")
+    cfg = load_config(MAIN_CONFIG)
+    assert sweep["optimizers"] == ["dion2"] and sweep["config"] == "configs/main.toml"
+    assert cfg.compare.dion2_lr == sweep["best"]["dion2"]["lr"] and not sweep["best"]["dion2"]["at_edge"]
+    assert len(sweep["results"]) == len(sweep["grid"])
+    assert_sweep_ran_the_main_settings(sweep["settings"], cfg)
+    assert sweep["corpus"] == main["corpus"]
+
+
+def test_lr_sweep_runs_dion2_without_qk_clip(tiny_config):
+    from examples.lr_sweep import run_one
+
+    r = run_one(tiny_config, "dion2", 0.02, 3)
+    assert r["optimizer"] == "dion2" and r["heads_clipped"] == 0 and r["evals"][-1]["step"] == 3
+    assert r["final_val_loss"] < r["evals"][0]["val_loss"]
 
 
 def test_readme_shows_the_recorded_main_job():
@@ -502,11 +535,12 @@ def test_readme_shows_the_recorded_main_job():
     assert_recorded_settings(recorded_cfg["model"], cfg.model)
     assert_recorded_settings(recorded_cfg.get("muon"), cfg.muon)
     runs = summary["runs"]
-    assert list(runs) == ["Muon", "NorMuon", "AdamW"]
-    for label in ("Muon", "NorMuon"):
+    assert list(runs) == ["Muon", "NorMuon", "Dion2", "AdamW"]
+    for label in ("Muon", "NorMuon", "Dion2"):
         assert runs[label]["max_param_deviation"] <= summary["tolerance"]
         assert runs[label]["check_steps"] == cfg.compare.check_steps
     assert runs["NorMuon"]["muon_options"] == {"normuon_beta2": NORMUON_BETA2}
+    assert runs["Dion2"]["muon_options"] == {"dion2_fraction": DION2_FRACTION} and not runs["Dion2"]["qk_clip"]
     # README's table is the one computed from the recorded runs
     table = report.markdown_table(report.comparison_rows(runs, summary["tolerance"]))
     with open(os.path.join(ROOT, "README.md")) as f:

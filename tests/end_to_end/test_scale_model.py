@@ -35,6 +35,7 @@ HSDP_MODELS = ["llama3-70b", "deepseek-v3"]
 WIRE_BYTES = 2  # the script's default wire dtype (bf16)
 AUTO = 1e4  # the script's default "auto" threshold (the optimizer's CUDA default)
 NS_SPLITS = ("never", "auto")  # the script's default ns_split rows
+DION2_RANKS, DION2_FRACTIONS = (512, 1024), (0.25, 0.125)  # the script's default Dion2 section
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_every_model_layout_and_plan_is_reported(run, models):
 
 def test_markdown_has_one_table_row_per_result_and_the_verdicts(run, models):
     out, data = run
-    text = (out / "scale_model.md").read_text()
+    text, dion2_section = (out / "scale_model.md").read_text().split("\n## Dion2 against Muon", 1)
     assert text.startswith("# Parallel Muon scale model")
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| model")]
     assert len(rows) == len(data["results"])
@@ -134,6 +135,11 @@ def test_markdown_has_one_table_row_per_result_and_the_verdicts(run, models):
         assert any(row.startswith(f"| {r['model']} | {layout} | {r['ranks']} |") for row in rows), _key(r)
     assert "sends T - O + (S - 1) O" in text  # the traffic formula is stated
     assert "## HSDP: replicas repeat the work (never) vs split over replicas" in text
+    # the Dion2 section: labelled a prediction, one row per model, rank count and optimizer
+    assert dion2_section.startswith(" (a prediction")
+    dion2_rows = [line for line in dion2_section.splitlines() if line.startswith("| ") and
+                  not line.startswith("| model")]
+    assert len(dion2_rows) == len(data["dion2"]) == len(models) * len(DION2_RANKS) * (1 + len(DION2_FRACTIONS))
 
 
 def test_png_is_written_when_matplotlib_is_available(run):
@@ -535,6 +541,9 @@ def test_verdict_names_the_unit_that_rules_out_the_target(bench, models):
     (["--hsdp", "1x64"], "at least 2 replicas"),
     (["--models", "gpt-5"], "unknown model"),
     (["--chunk-size", "0"], "--chunk-size"),
+    (["--dion2-fractions", "0"], "--dion2-fractions"),
+    (["--dion2-fractions", "1.5"], "--dion2-fractions"),
+    (["--dion2-ranks", "0"], "--dion2-ranks"),
 ])
 def test_bad_arguments_are_named(bench, argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit):
@@ -552,3 +561,98 @@ def test_llama3_8b_at_1024_ranks_reaches_its_whole_or_cut_bound(bench, models):
     auto = bench.evaluate(models["llama3-8b"], bench.Layout(1, 1024, None), None, args, "auto")
     assert auto["busiest_over_ideal"] == pytest.approx(auto["cut_lower_bound_over_ideal"], rel=1e-6)
     assert auto["cut_units"]["8"] == 96
+
+
+# ----------------------------------------------------------------------------
+# Dion2 beside Muon (scale_dion2.py: docs/dion2.md's bytes formula, a prediction)
+# ----------------------------------------------------------------------------
+
+LLAMA3_8B_LAYER = [("wq", (4096, 4096)), ("wk", (1024, 4096)), ("wv", (1024, 4096)), ("wo", (4096, 4096)),
+                   ("w1", (14336, 4096)), ("w3", (14336, 4096)), ("w2", (4096, 14336))]
+
+
+def _dion2_layer_bytes(alpha, S, w=WIRE_BYTES):
+    """docs/dion2.md's formula, written out for one Llama-3-8B layer on FSDP Shard(0) (rows split
+    over S members, R = 1): wide/square matrices choose rows (each row on one member, c = 1), tall
+    ones columns (each column on all S members, c = S); k = ceil(alpha s)."""
+    chosen = selection = 0.0
+    for _, (m, n) in LLAMA3_8B_LAYER:
+        s, c = (m, 1) if m <= n else (n, S)
+        k = math.ceil(alpha * s)
+        chosen += 2 * (k / s) * m * n * w * (S - 1) / S
+        selection += 9 * s * c * (S - 1) / S
+    return chosen, selection
+
+
+@pytest.fixture(scope="module")
+def dion2():
+    return load_benchmark("scale_dion2")
+
+
+@pytest.mark.parametrize("S", [8, 1024])
+def test_dion2_bytes_of_one_llama_layer_are_the_formula(dion2, S):
+    d = dion2.price(LLAMA3_8B_LAYER, 0.25, S, 1, WIRE_BYTES, None, _flops)
+    chosen, selection = _dion2_layer_bytes(0.25, S)
+    assert d["chosen_bytes"] == pytest.approx(chosen, rel=1e-12)
+    assert d["selection_bytes"] == pytest.approx(selection, rel=1e-12)
+    assert d["replicas_bytes"] == 0 and d["total_bytes"] == pytest.approx(chosen + selection, rel=1e-12)
+    muon = dion2.price(LLAMA3_8B_LAYER, None, S, 1, WIRE_BYTES, None, _flops)
+    muon_bytes = sum(2 * m * n * WIRE_BYTES * (S - 1) / S for _, (m, n) in LLAMA3_8B_LAYER)
+    assert muon["total_bytes"] == pytest.approx(muon_bytes, rel=1e-12) and muon["selection_bytes"] == 0
+    # docs/dion2.md's table for this layer: ratio 0.251 on 8 ranks, 0.337 on 1,024
+    assert d["total_bytes"] / muon["total_bytes"] == pytest.approx({8: 0.251, 1024: 0.337}[S], abs=5e-4)
+
+
+def test_dion2_at_fraction_one_is_muons_bytes_plus_the_selection(dion2, models):
+    for m in models.values():
+        for expert_dim in ([1, 0] if _is_moe(m) else [None]):
+            muon = dion2.price(m.muon_params, None, 64, 1, WIRE_BYTES, expert_dim, _flops)
+            full = dion2.price(m.muon_params, 1.0, 64, 1, WIRE_BYTES, expert_dim, _flops)
+            assert full["chosen_bytes"] == pytest.approx(muon["total_bytes"], rel=1e-12), (m.name, expert_dim)
+            assert full["selection_bytes"] > 0 and full["ns_flops"] == pytest.approx(muon["ns_flops"], rel=1e-12)
+
+
+def test_dion2_replicas_and_experts_held_whole(dion2):
+    # k is dion's max(1, ceil(fraction s)) with the float product (0.07 * 100 = 7.000000000000001: k = 8),
+    # and the bytes follow k, not the fraction
+    d = dion2.matrix_bytes((100, 300), 0.07, 4, 1, WIRE_BYTES, -2)
+    assert d["chosen"] == pytest.approx(2 * (8 / 100) * 100 * 300 * WIRE_BYTES * 3 / 4)
+    assert dion2.submatrix_shape((300, 100), 0.07) == (300, 8) and dion2.submatrix_shape((100, 300), 0.07) == (8, 300)
+    # HSDP R x S with the replica split: the chosen updates reach the other R - 1 replicas, and
+    # every replica selects (the selection term times R)
+    R, S, (m, n) = 4, 8, (4096, 4096)
+    d = dion2.matrix_bytes((m, n), 0.25, S, R, WIRE_BYTES, -2)
+    assert d["replicas"] == pytest.approx(0.25 * m * n * WIRE_BYTES * (R - 1))
+    assert d["selection"] == pytest.approx(9 * m * 1 * R * (S - 1) / S)
+    # experts on Shard(0): every member holds whole experts, nothing travels for either optimizer
+    stack = [("experts.w1", (16, 2048, 7168))]
+    for fraction in (None, 0.25):
+        assert dion2.price(stack, fraction, 8, 1, WIRE_BYTES, 0, _flops)["total_bytes"] == 0
+    # on Shard(1) each expert selects on its own: E times one expert's bytes
+    one = dion2.matrix_bytes((2048, 7168), 0.25, 8, 1, WIRE_BYTES, -2)
+    many = dion2.matrix_bytes((16, 2048, 7168), 0.25, 8, 1, WIRE_BYTES, -2)
+    assert many["total"] == pytest.approx(16 * one["total"])
+
+
+def test_dion2_flops_are_the_k_slice_submatrix(dion2, models):
+    m = models["deepseek-v3"]
+    expected = 0.0
+    for _, shape in m.muon_params:
+        *batch, rows, cols = shape
+        sub = (math.ceil(0.25 * rows), cols) if rows <= cols else (rows, math.ceil(0.25 * cols))
+        expected += _flops(sub) * math.prod(batch)
+    d = dion2.price(m.muon_params, 0.25, 1024, 1, WIRE_BYTES, 1, _flops)
+    assert d["ns_flops"] == pytest.approx(expected, rel=1e-12)
+    assert d["per_rank_flops_lower_bound"] >= d["ns_flops"] / 1024
+
+
+def test_dion2_section_prices_every_model_at_512_and_1024_ranks(run, models):
+    _, data = run
+    rows = data["dion2"]
+    keys = {(r["model"], r["ranks"], r["fraction"]) for r in rows}
+    assert keys == {(m, n, f) for m in models for n in DION2_RANKS for f in (None, *DION2_FRACTIONS)}
+    for r in rows:
+        if r["fraction"] is None:
+            continue
+        # below Muon's bytes, and at most the formula's slack above the chosen fraction
+        assert r["fraction"] < r["bytes_over_muon"] < 1 and r["flops_over_muon"] < r["fraction"]
