@@ -406,7 +406,8 @@ def test_bytes_against_muon():
 
 def _mixed_rank(rank, world):
     """A Muon group, a Dion2 group and an AdamW group of DTensors in one optimizer; what Dion2 does
-    not build (``ns_split="always"``, row blocks) refused for DTensors by name."""
+    not build (``ns_split="always"``) and row blocks that do not fit the weight refused for
+    DTensors by name; row blocks that fit are taken (``test_dion2_row_blocks_dtensor.py`` steps them)."""
     from optimizer import Muon
 
     mesh = init_device_mesh("cpu", (world,))
@@ -431,13 +432,17 @@ def _mixed_rank(rank, world):
         muon_only.step()
         ref.step()
     refusals = {}
-    for key, value in (("ns_split", "always"), ("muon_row_blocks", "heads:2")):
+    for key, value in (("ns_split", "always"), ("muon_row_blocks", "heads:3"), ("muon_row_blocks", "heads:4")):
         try:
             Muon([{"params": [mixed["dion2"]], "use_muon": True, "dion2_fraction": 0.25, key: value}])
-            refusals[key] = None
+            refusals[(key, value)] = None
         except ValueError as err:
-            refusals[key] = str(err)
-    return {"refused " + k: m is not None and k in m and "Dion2" in m for k, m in refusals.items()} | {
+            refusals[(key, value)] = str(err)
+    return {"refused ns_split": refusals[("ns_split", "always")] is not None
+            and "ns_split" in refusals[("ns_split", "always")] and "Dion2" in refusals[("ns_split", "always")],
+            "refused heads:3 on 20 rows": refusals[("muon_row_blocks", "heads:3")] is not None
+            and "muon_row_blocks" in refusals[("muon_row_blocks", "heads:3")],
+            "took heads:4": refusals[("muon_row_blocks", "heads:4")] is None} | {
             "muon as alone": bool(torch.equal(full_of(mixed["muon"].detach()), full_of(alone["muon"].detach()))),
             "dion2 as whole": bool(torch.equal(full_of(mixed["dion2"].detach()), whole["dion2"].detach())),
             "dion2 momentum": bool(torch.equal(full_of(opt.state[mixed["dion2"]]["momentum_buffer"]),

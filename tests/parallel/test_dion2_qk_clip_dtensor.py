@@ -11,9 +11,11 @@ for bit.  The single-device run is itself checked against the float64 formulas
 10% or more, this checks every rank's row slots.  Not vacuous: the same run without QK-clip ends
 elsewhere.
 
-Row blocks in a Dion2 group of DTensors are refused naming the option, saying they work on plain
-tensors (``muon_row_blocks``): at construction, and at the step (changing nothing) for a weight
-made a DTensor after construction.
+With per-head row blocks (``muon_row_blocks``: each head its own Dion2 matrix) the same holds: QK-clip
+after the per-block update, on DTensors, equals single device bit for bit.  Row blocks with Dion2 on
+a DTensor are taken at construction and at the step of a weight made a DTensor after construction
+(which then equals the weight held whole); a spec that does not fit is refused naming
+``muon_row_blocks`` and the parameter, at construction and at the step (changing nothing).
 """
 
 from __future__ import annotations
@@ -33,7 +35,13 @@ GQA = {P + "wq.weight": (16, 12), P + "wk.weight": (8, 12), P + "wv.weight": (8,
 MLA = {P + "wq.weight": (24, 16), P + "wkv_b.weight": (32, 10)}
 LAYOUTS = {"fsdp_rows": ["S0"], "tp_rowwise": ["S1"], "fsdp_over_tp_interleaved": ["SS0/2"]}
 VARIANTS = {"dion2": dict(dion2_fraction=0.3, weight_decay=0.1, adjust_lr="spectral_norm"),
-            "nordion2": dict(dion2_fraction=0.5, normuon_beta2=0.9, weight_decay=0.1)}
+            "nordion2": dict(dion2_fraction=0.5, normuon_beta2=0.9, weight_decay=0.1),
+            # per-head row blocks: GQA's heads of 4 rows; MLA's wq heads of 6 (nope 4 + rope 2), wkv_b's of 8
+            "dion2_heads": dict(dion2_fraction=0.3, weight_decay=0.1, adjust_lr="spectral_norm",
+                                muon_row_blocks={P + "wq.weight": "heads:4", P + "wk.weight": "heads:4",
+                                                 P + "wv.weight": "heads:4"}),
+            "nordion2_heads": dict(dion2_fraction=0.5, normuon_beta2=0.9, weight_decay=0.1,
+                                   muon_row_blocks={P + "wq.weight": "heads:6", P + "wkv_b.weight": "heads:8"})}
 
 
 def _full(shape, seed):
@@ -92,7 +100,8 @@ def _rank(rank, world, attention, variant):
     return out
 
 
-@pytest.mark.parametrize("attention, variant", [("gqa", "dion2"), ("mla", "dion2"), ("gqa", "nordion2")])
+@pytest.mark.parametrize("attention, variant", [("gqa", "dion2"), ("mla", "dion2"), ("gqa", "nordion2"),
+                                                ("gqa", "dion2_heads"), ("mla", "nordion2_heads")])
 def test_dion2_qk_clip_on_dtensors_equals_single_device(attention, variant):
     for rank, out in enumerate(run_ranks(_rank, 2, attention, variant, timeout=180)):
         assert all(out.values()), (rank, {k: v for k, v in out.items() if not v})
@@ -102,32 +111,45 @@ def _blocks_rank(rank, world):
     from optimizer import Muon
 
     mesh = init_device_mesh("cpu", (world,))
-    w = Parameter(make_dtensor(_full((16, 12), 0), mesh, [parse_placement("S0")]))
-    group = {"params": [w], "param_names": ["w"], "use_muon": True, "dion2_fraction": 0.25, "muon_row_blocks": "heads:4"}
+    shard = lambda t: make_dtensor(t, mesh, [parse_placement("S0")])  # noqa: E731
+    group = lambda w, spec: {"params": [w], "param_names": ["w"], "use_muon": True,  # noqa: E731
+                             "dion2_fraction": 0.25, "muon_row_blocks": spec}
     out = {}
-    try:
-        Muon([group])
-        out["construction"] = None
-    except ValueError as err:
-        out["construction"] = str(err)
-    # made a DTensor after construction (accelerate's FSDP2 idiom): the step refuses it, changing nothing
-    late = Muon([{**group, "params": [Parameter(_full((16, 12), 0))]}])
-    late.param_groups[0]["params"][0] = w
-    w.grad = make_dtensor(_full((16, 12), 1), mesh, [parse_placement("S0")])
-    before = w.to_local().clone()
-    try:
-        late.step()
-        out["step"] = None
-    except ValueError as err:
-        out["step"] = str(err)
-    out["unchanged"] = bool(torch.equal(w.to_local(), before)) and len(late.state) == 0
+    for spec in ("heads:4", "heads:5"):  # 16 rows: heads of 4 fit, heads of 5 do not
+        try:
+            Muon([group(Parameter(shard(_full((16, 12), 0))), spec)])
+            out[f"construction {spec}"] = None
+        except ValueError as err:
+            out[f"construction {spec}"] = str(err)
+    # made a DTensor after construction (accelerate's FSDP2 idiom): heads:4 steps as the weight held whole
+    whole = Parameter(_full((16, 12), 0))
+    whole.grad = _full((16, 12), 1)
+    Muon([group(whole, "heads:4")]).step()
+    for spec in ("heads:4", "heads:5"):
+        late = Muon([group(Parameter(_full((16, 12), 0)), "heads:4")])
+        late.param_groups[0]["muon_row_blocks"] = spec  # written in place: the step checks it again
+        w = Parameter(shard(_full((16, 12), 0)))
+        late.param_groups[0]["params"][0] = w
+        w.grad = shard(_full((16, 12), 1))
+        before = w.to_local().clone()
+        try:
+            late.step()
+            out[f"step {spec}"] = None
+        except ValueError as err:
+            out[f"step {spec}"] = str(err)
+        if spec == "heads:4":
+            out["late as whole"] = bool(torch.equal(full_of(w.detach()), whole.detach()))
+        else:
+            out["refused unchanged"] = bool(torch.equal(w.to_local(), before)) and len(late.state) == 0
     return out
 
 
-def test_row_blocks_with_dion2_on_dtensors_are_refused_by_name():
+def test_row_blocks_with_dion2_on_dtensors_step_and_misfits_are_refused_by_name():
     for out in run_ranks(_blocks_rank, 2, timeout=120):
         for when in ("construction", "step"):
-            assert out[when] is not None, when
-            for words in ("'w'", "muon_row_blocks", "Dion2", "plain tensors, not yet for DTensors"):
-                assert words in out[when], out[when]
-        assert out["unchanged"]
+            assert out[f"{when} heads:4"] is None, out[f"{when} heads:4"]
+            refused = out[f"{when} heads:5"]
+            assert refused is not None, when
+            for words in ("'w'", "muon_row_blocks"):
+                assert words in refused, refused
+        assert out["late as whole"] and out["refused unchanged"], out

@@ -5,6 +5,7 @@ never hang) if what member ``a`` plans to send ``b`` is what ``b`` plans to rece
 and if all agree on the owners.  Also: the selection dim is the global shape's, every global slice
 is held by the members the placements say (``torch.chunk`` written here), and the bytes equal the
 design's closed form ``9 s c (S-1)/S`` per unit on even splits (``docs/dion2.md``).
+A row block's unit restricts each member's rows to the block's (positions within the block).
 """
 
 from __future__ import annotations
@@ -86,3 +87,43 @@ def test_owners_spread_and_bad_member_refused():
     assert sorted(u.owner for u in ps[0].units) == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="member 4 outside a shard group of 4"):
         exchange_plan([((8, 16), [parse_placement("S0")])], (4,), [(0,), (1,), (2,), (3,)], 4, 0.5)
+
+
+BLOCKS = {"heads": [list(range(i, i + 4)) for i in range(0, 16, 4)],
+          "rows_and_columns": [list(range(4)), list(range(4, 16))],  # 4 x 12: rows; 12 x 12: rows (m <= n)
+          "non_contiguous": [list(range(0, 16, 2)), list(range(1, 16, 2))],
+          "reversed": [list(range(15, -1, -1))]}
+
+
+@pytest.mark.parametrize("blocks", list(BLOCKS))
+@pytest.mark.parametrize("mesh_shape,placements", LAYOUTS[:5])
+def test_row_blocks_restrict_each_members_rows(blocks, mesh_shape, placements):
+    """A block's unit (``slice_map`` with the block's rows): each member's ``local_rows`` are its
+    local rows (``local_indices``, checked against DTensor elsewhere) whose global row is in the
+    block, in local order, and its row indices their positions within the block (written here);
+    the dim and ``k`` are the block's shape's; together the members hold every (block row, column)
+    once; and the members agree on the two all-to-alls."""
+    from optimizer.distributed.placements import local_indices
+
+    shape, pls = (16, 12), [parse_placement(p) for p in placements]
+    coords = list(itertools.product(*(range(s) for s in mesh_shape)))
+    for rows in BLOCKS[blocks]:
+        held = set()
+        for c in coords:
+            smap = slice_map(shape, mesh_shape, pls, c, 0.25, block=tuple(rows))
+            mine = _as(local_indices(shape, mesh_shape, pls, c)[-2])
+            local = [i for i, g in enumerate(mine) if g in rows]
+            assert _as(smap.local_rows) == local
+            assert _as(smap.indices[-2]) == [rows.index(mine[i]) for i in local]
+            assert (smap.dim, smap.size) == ((-2, len(rows)) if len(rows) <= 12 else (-1, 12))
+            assert smap.k == max(1, -(-len(rows) // 4) if smap.dim == -2 else 3)
+            held |= {(r, col) for r in _as(smap.indices[-2]) for col in _as(smap.indices[-1])}
+        assert held == {(r, col) for r in range(len(rows)) for col in range(12)}
+    params = [(shape, pls, tuple(rows)) for rows in BLOCKS[blocks]]
+    ps = [exchange_plan(params, mesh_shape, coords, me, 0.25) for me in range(len(coords))]
+    for a, b in itertools.product(range(len(ps)), repeat=2):
+        assert ps[a].norm_send[b] == ps[b].norm_recv[a]
+
+
+def _as(ix):
+    return list(range(ix.start, ix.stop)) if isinstance(ix, slice) else ix.tolist()

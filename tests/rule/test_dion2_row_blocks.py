@@ -11,8 +11,8 @@ weights within the roundings (Newton–Schulz's bound, ``tests/tolerances.py``).
 shapes in one weight (one selecting rows, one columns), non-contiguous blocks, expert stacks,
 ``muon_transposed``, every ``adjust_lr`` mode, cautious weight decay and ``maximize``.
 
-DTensors with row blocks in a Dion2 group are refused naming the option
-(``tests/parallel/test_dion2_dtensor.py``).
+DTensors with row blocks in a Dion2 group step as this path does, bit for bit
+(``tests/parallel/test_dion2_row_blocks_dtensor.py``).
 """
 
 from __future__ import annotations

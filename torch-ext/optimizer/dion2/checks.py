@@ -2,8 +2,8 @@
 
 Checked when a group is added (``Muon._check_group``) and again at every step before anything
 changes (``step/context.py``, agreed by the ranks like every problem).  Dion2 runs on plain tensors
-and DTensors (every placement), with QK-clip; row blocks on plain tensors (not yet on DTensors);
-never with a split Newton–Schulz (``docs/dion2.md``)."""
+and DTensors (every placement), with QK-clip and row blocks (each block its own matrix); never
+with a split Newton–Schulz (``docs/dion2.md``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch
 from ..named_params import NamedParam
 from ..row_blocks import ROW_BLOCKS_KEY, RowBlocks, resolve_row_blocks, spec_for
 from ..settings import DION2, kind_of
-from ..tensors import is_dtensor
 
 
 def is_dion2(group: Mapping) -> bool:
@@ -35,19 +34,14 @@ def dion2_group_problem(group: Mapping, where: str) -> str | None:
 
 def dion2_row_blocks(e: NamedParam, group: Mapping, where: str) -> tuple[RowBlocks | None, str | None]:
     """The row blocks of Dion2 parameter ``e`` of ``group`` (``where``), each stepped as its own
-    matrix (``rule.dion2_blocks_step_``; None: the whole matrix), or why they cannot be: a spec that
-    does not fit the weight (``row_blocks.resolve_row_blocks``' error), or a DTensor (not built)."""
+    matrix (``rule.dion2_blocks_step_``, on a mesh a unit per block; None: the whole matrix), or why
+    they cannot be: a spec that does not fit the weight (``row_blocks.resolve_row_blocks``' error)."""
     if group.get(ROW_BLOCKS_KEY) is None:
         return None, None
     try:
         blocks = resolve_row_blocks(spec_for(group[ROW_BLOCKS_KEY], e.name, f"Muon: {where}"), e.name, e.shape)
     except ValueError as err:
         return None, str(err)
-    if blocks is not None and is_dtensor(e.param):
-        return None, (f"Muon: parameter '{e.name}' is a DTensor in a Dion2 group ({where}) that sets "
-                      f"`{ROW_BLOCKS_KEY}`: row blocks with Dion2 are built for plain tensors, not yet for DTensors. "
-                      f"Remove `{ROW_BLOCKS_KEY}` for it, or put it in a Muon group (dion2_fraction=None), "
-                      "where row blocks run on every placement")
     return blocks, None
 
 

@@ -12,7 +12,8 @@ matrix's own shape, never the chosen submatrix's), ``weight_decay``, ``cautious_
 ``maximize``, the ``[out, in]`` view of a ``muon_transposed`` weight, and Newton–Schulz's options
 (``ns_steps``, ``ns_coefficients``, ``ns_method``, ``eps``, ``ns_kernels``), which orthogonalise
 the chosen ``k``-slice submatrix.  A plain tensor with row blocks (``muon_row_blocks``) steps each
-block as its own matrix (``dion2_rule.dion2_blocks_step_``); QK-clip scales the q/k rows of every
+block as its own matrix (``dion2_rule.dion2_blocks_step_``), a DTensor each block as a unit of the
+distributed step; QK-clip scales the q/k rows of every
 updated weight after the update (:func:`clip_updated_`).  What it does not build is refused
 (``checks.dion2_group_problem``, ``checks.dion2_row_blocks``).
 """
@@ -47,7 +48,7 @@ def dion2_update(entries: Sequence[NamedParam], groups: Sequence[Mapping], imple
     """One Dion2 step of every parameter in ``entries`` (each with a gradient; ``groups[i]`` its
     group, ``implementations[i]`` its ``ns_kernels`` as resolved when the step context was built),
     in place on the parameter, its momentum and its NorMuon ``v``; ``row_blocks[i]``: parameter
-    ``i``'s row blocks (plain tensors only, ``checks.dion2_row_blocks``), ``clips[i]``: its QK-clip
+    ``i``'s row blocks (``checks.dion2_row_blocks``), ``clips[i]``: its QK-clip
     (scale table, local row slots) this step (``StepContext.dion2_clip_rows``), applied after every
     update (:func:`clip_updated_`)."""
     if not entries:
@@ -63,7 +64,8 @@ def dion2_update(entries: Sequence[NamedParam], groups: Sequence[Mapping], imple
         if is_dtensor(e.param):  # every rank of its mesh steps it below, all together, in the agreed order
             entry = state[e.param]
             distributed.append(Dion2Item(e.param, entry[MOMENTUM_KEY],
-                                         entry.get(ROW_STATE_KEY) if v is not None else None, e.transposed, options))
+                                         entry.get(ROW_STATE_KEY) if v is not None else None, e.transposed, options,
+                                         _block_rates(e, b, group, options) if b is not None else None))
         elif b is not None:
             _step_blocks(e, local_matrix(buf, e.transposed), v, b, group, options)
         else:
@@ -93,17 +95,24 @@ def _step_one(e: NamedParam, buf: torch.Tensor, v: torch.Tensor | None, options:
         v.copy_(v_new)
 
 
+def _block_rates(e: NamedParam, blocks: RowBlocks, group: Mapping,
+                 options: dict) -> list[tuple[tuple[int, ...], float]]:
+    """Each row block's global rows (of the ``[out, in]`` view, in block order) and its lr adjusted
+    for the block's own shape ``[..., rows_b, n]`` (one computation for both paths)."""
+    rows = [tuple(r.tolist()) for r in blocks.rows_of_each()]
+    return [(r, adjust_lr(options["lr"], (*e.shape[:-2], len(r), e.shape[-1]), group["adjust_lr"])) for r in rows]
+
+
 def _step_blocks(e: NamedParam, buf: torch.Tensor, v: torch.Tensor | None, blocks: RowBlocks, group: Mapping,
                  options: dict) -> None:
     """Each row block of a plain tensor stepped as its own matrix (``dion2_rule.dion2_blocks_step_``),
-    its lr adjusted for the block's own shape ``[..., rows_b, n]``."""
+    its lr adjusted for the block's own shape (:func:`_block_rates`)."""
     param = local_matrix(e.param, e.transposed)
-    rows = [r.to(param.device) for r in blocks.rows_of_each()]
-    shapes = [(*e.shape[:-2], r.numel(), e.shape[-1]) for r in rows]
-    adjusted = [adjust_lr(options["lr"], shape, group["adjust_lr"]) for shape in shapes]
+    rates = _block_rates(e, blocks, group, options)
+    rows = [torch.tensor(r, dtype=torch.long, device=param.device) for r, _ in rates]
     rule = {k: o for k, o in options.items() if k != "adjusted"}
-    dion2_rule.dion2_blocks_step_(param, local_matrix(e.param.grad, e.transposed), buf, rows, adjusted=adjusted,
-                                  row_state=v, **rule)
+    dion2_rule.dion2_blocks_step_(param, local_matrix(e.param.grad, e.transposed), buf, rows,
+                                  adjusted=[a for _, a in rates], row_state=v, **rule)
 
 
 def clip_updated_(entries: Sequence[NamedParam], clips: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:

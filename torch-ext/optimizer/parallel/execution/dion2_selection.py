@@ -96,17 +96,22 @@ def plan_selection(momenta: Sequence[DTensor], fraction: float, rows_only: bool 
     return _plan(layouts, meshes, [fraction] * len(momenta), [rows_only] * len(momenta))
 
 
-def plan_selection_for(specs: Sequence[tuple], fractions: Sequence[float], rows_only: Sequence[bool]) -> SelectionPlan:
+def plan_selection_for(specs: Sequence[tuple], fractions: Sequence[float], rows_only: Sequence[bool],
+                       blocks: Sequence[tuple | None] | None = None) -> SelectionPlan:
     """:func:`plan_selection` for matrices described by ``(global shape, placements, DeviceMesh)``
     (a ``muon_transposed`` weight's view: ``matrix_view.view_shape``/``view_placements``), each
     with its own fraction and ``rows_only``, on the process groups that already exist (``Muon``
     creates every shard group its DTensor matrices need when it is built): no collective, so a
-    step can plan at its first call.  Raises RuntimeError if a group is missing."""
+    step can plan at its first call.  Raises RuntimeError if a group is missing.  ``blocks``: per
+    spec None, or one row block's global rows (a tuple): that block is the unit (``slice_map``)."""
     layouts = [ParamLayout(tuple(shape), MeshGrid.of(mesh), tuple(pl)) for shape, pl, mesh in specs]
-    return _plan(layouts, [mesh for *_, mesh in specs], list(fractions), list(rows_only))
+    return _plan(layouts, [mesh for *_, mesh in specs], list(fractions), list(rows_only),
+                 list(blocks) if blocks is not None else [None] * len(specs))
 
 
-def _plan(layouts: list[ParamLayout], meshes: list, fractions: list[float], rows_only: list[bool]) -> SelectionPlan:
+def _plan(layouts: list[ParamLayout], meshes: list, fractions: list[float], rows_only: list[bool],
+          blocks: list | None = None) -> SelectionPlan:
+    blocks = blocks if blocks is not None else [None] * len(layouts)
     keyed: dict[tuple, list[int]] = {}
     for i, lay in enumerate(layouts):
         keyed.setdefault((lay.grid, lay.matrix_dims), []).append(i)
@@ -117,7 +122,7 @@ def _plan(layouts: list[ParamLayout], meshes: list, fractions: list[float], rows
         ranks = first.shard_group(grid.coordinate(rank))
         group = group_for(ranks, meshes[members[0]], matrix_dims)
         order = dist.get_process_group_ranks(group) if group is not None else [rank]
-        plan = exchange_plan([(layouts[i].shape, layouts[i].placements) for i in members], grid.shape,
+        plan = exchange_plan([(layouts[i].shape, layouts[i].placements, blocks[i]) for i in members], grid.shape,
                              [grid.coordinate(r) for r in order], order.index(rank),
                              [fractions[i] for i in members], [rows_only[i] for i in members])
         for u in plan.units:

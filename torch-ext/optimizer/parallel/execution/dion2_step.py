@@ -18,6 +18,11 @@ slices (and the selection's ``O(s)`` norms and masks):
    zero off the chosen slices), the update on its chosen slices, ``ef_decay`` on its chosen
    momentum slices (rounded once as stored), its rows of ``v``.
 
+A parameter with row blocks (``muon_row_blocks``) is one unit per block in steps 2-5, each its own
+matrix ``[..., rows_b, n]`` exactly as ``dion2_rule.dion2_blocks_step_`` steps it on one device: its
+selection dim, ``k`` and lr from its own shape, its rows of each member's piece
+(``planning/dion2_selection.block_rows``) stepped as copies and written back.
+
 Experts held whole by one rank (a shard group of one) select and orthogonalise locally, with no
 collective.  Under HSDP each replica's shard group runs the same step on identical inputs (Muon's
 ``replica_split``, ``distributed_mode``, ``chunk_size`` and ``lookahead`` do not apply to Dion2).
@@ -48,14 +53,15 @@ __all__ = ["Dion2Item", "dion2_dtensor_update_", "selection_plan"]
 @dataclass
 class Dion2Item:
     """One Dion2 DTensor parameter of a step: the parameter (gradient set), its momentum and
-    NorDion2's ``v`` (DTensors; ``v`` None without NorDion2), whether it is read transposed, and
-    the rule's keywords (``dion2/step.py``'s ``_options``)."""
+    NorDion2's ``v`` (DTensors; ``v`` None without NorDion2), whether it is read transposed, the
+    rule's keywords (``dion2/step.py``'s ``_options``) and its row blocks (None: the whole matrix)."""
 
     param: object
     buf: object
     v: object | None
     transposed: bool
     options: dict
+    blocks: list[tuple[tuple[int, ...], float]] | None = None  # row blocks: (global rows, adjusted lr) each
 
     def views(self) -> tuple[Tensor, Tensor, Tensor | None]:
         """The local pieces as Muon reads them: parameter, momentum ``[*leading, r, c]`` and ``v``
@@ -70,28 +76,60 @@ class Dion2Item:
         return self.options["dtype"] or torch.promote_types(self.param.dtype, self.buf.dtype)
 
 
+@dataclass
+class Unit:
+    """One matrix a step selects and orthogonalises: a whole item (``rows`` None), or one row block
+    of it (``muon_row_blocks``: ``rows`` its global rows of the ``[out, in]`` view, in block order),
+    a matrix of its own: ``shape`` its global shape ``[..., rows_b, n]``, ``options`` the item's with
+    the block's own adjusted lr."""
+
+    item: Dion2Item
+    shape: tuple[int, ...]
+    options: dict
+    rows: tuple[int, ...] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.item.dtype
+
+
+def units_of(items: Sequence[Dion2Item]) -> list[Unit]:
+    """Every item's units: the item itself, or each of its row blocks (``Dion2Item.blocks``)."""
+    out = []
+    for it in items:
+        shape = view_shape(it.param.shape, it.transposed)
+        if it.blocks is None:
+            out.append(Unit(it, shape, it.options))
+            continue
+        for rows, adjusted in it.blocks:
+            out.append(Unit(it, (*shape[:-2], len(rows), shape[-1]), {**it.options, "adjusted": adjusted}, rows))
+    return out
+
+
 # ---------------------------------------------------------------------------- the plan, once
 
 _PLANS: dict[tuple, tuple[SelectionPlan, list]] = {}
 _PLANS_LIMIT = 64
 
 
-def selection_plan(items: Sequence[Dion2Item]) -> SelectionPlan:
-    """The selection plan of ``items`` (as their ``muon_transposed`` views), memoised per process on
-    their shapes, placements, meshes, fractions and ``rows_only`` (the meshes are kept alive with
-    the plan, so their ids stay theirs).  No collective: every shard group exists already."""
+def selection_plan(units: Sequence[Unit]) -> SelectionPlan:
+    """The selection plan of ``units`` (their items' ``muon_transposed`` views, or row blocks of
+    them), memoised per process on their shapes, placements, meshes, fractions, ``rows_only`` and
+    blocks (the meshes are kept alive with the plan, so their ids stay theirs).  No collective:
+    every shard group exists already."""
     key = (id(dist.group.WORLD), tuple(
-        (tuple(it.param.shape), tuple(it.param.placements), id(it.param.device_mesh), it.transposed,
-         it.options["fraction"], it.options["normuon_beta2"] is not None) for it in items))
+        (tuple(u.item.param.shape), tuple(u.item.param.placements), id(u.item.param.device_mesh), u.item.transposed,
+         u.options["fraction"], u.options["normuon_beta2"] is not None, u.rows) for u in units))
     hit = _PLANS.get(key)
     if hit is None:
         if len(_PLANS) >= _PLANS_LIMIT:
             _PLANS.clear()
+        items = [u.item for u in units]
         specs = [(view_shape(it.param.shape, it.transposed),
                   view_placements(it.param.placements, it.param.dim(), it.transposed), it.param.device_mesh)
                  for it in items]
-        plan = plan_selection_for(specs, [it.options["fraction"] for it in items],
-                                  [it.options["normuon_beta2"] is not None for it in items])
+        plan = plan_selection_for(specs, [u.options["fraction"] for u in units],
+                                  [u.options["normuon_beta2"] is not None for u in units], [u.rows for u in units])
         hit = _PLANS[key] = (plan, [it.param.device_mesh for it in items])
     return hit[0]
 
@@ -102,29 +140,55 @@ def selection_plan(items: Sequence[Dion2Item]) -> SelectionPlan:
 def dion2_dtensor_update_(items: Sequence[Dion2Item]) -> list[LocalSelection]:
     """One Dion2 step of every item (collective over each item's shard group; every rank of the
     items' meshes calls this with the same items in the same order), in place on the local pieces
-    of the parameters, momenta and ``v``.  Returns each item's selection on this rank."""
+    of the parameters, momenta and ``v``.  Returns each unit's selection on this rank (an item's,
+    or each of its row blocks', in order: :func:`units_of`)."""
     if not items:
         return []
-    views = [it.views() for it in items]
     for it in items:
         dion2_rule.momentum_sum_(local_view(it.buf), local_view(it.param.grad), it.options["maximize"], it.dtype)
-    plan = selection_plan(items)
+    units = units_of(items)
+    plan = selection_plan(units)
+    whole = {id(it): it.views() for it in items}
+    views = [_block_pieces(whole[id(u.item)], plan.maps[i].local_rows) for i, u in enumerate(units)]
     sels = select_local(plan, [m for _, m, _ in views])
     wheres = {pattern.params[ui]: chosen_where(sels[pattern.params[ui]].chosen, u.maps[0].size)
               for pattern in plan.patterns for ui, u in enumerate(pattern.plan.units) if u.owner == pattern.plan.me}
     counts = read_chosen_counts(plan, sels, wheres)
     mine = [chosen_positions(sels[i].mask.reshape(plan.maps[i].batch, plan.maps[i].count), counts.own[i])
-            for i in range(len(items))]
-    steps = [_PatternStep(pattern, plan, items, views, mine, counts, wheres) for pattern in plan.patterns]
+            for i in range(len(units))]
+    steps = [_PatternStep(pattern, plan, units, views, mine, counts, wheres) for pattern in plan.patterns]
     for step in steps:
         step.send_chosen()  # every group's pieces in flight before any owner waits
-    for i, (it, (_, m, _)) in enumerate(zip(items, views)):
-        _decay_chosen(m, plan.maps[i], mine[i], it.options["ef_decay"], it.dtype)
+    for i, (u, (_, m, _)) in enumerate(zip(units, views)):
+        _decay_chosen(m, plan.maps[i], mine[i], u.options["ef_decay"], u.dtype)
     for step in steps:
         step.own_and_return()
     for step in steps:
         step.apply()
+    for i, u in enumerate(units):
+        _put_block_pieces(whole[id(u.item)], plan.maps[i].local_rows, views[i])
     return sels
+
+
+def _block_pieces(views: tuple, local_rows) -> tuple:
+    """A row block's local pieces (parameter, momentum, ``v``): copies of the rows ``local_rows`` of
+    the whole local pieces ``views`` (None: the whole pieces themselves)."""
+    if local_rows is None:
+        return views
+    p, m, v = views
+    rows = (p[..., local_rows, :].clone(), m[..., local_rows, :].clone())
+    return (*rows, None if v is None else v[..., local_rows].clone())
+
+
+def _put_block_pieces(views: tuple, local_rows, pieces: tuple) -> None:
+    """A row block's stepped pieces written back into its rows of the whole local pieces."""
+    if local_rows is None:
+        return
+    (p, m, v), (pb, mb, vb) = views, pieces
+    p[..., local_rows, :] = pb
+    m[..., local_rows, :] = mb
+    if v is not None:
+        v[..., local_rows] = vb
 
 
 def _decay_chosen(m: Tensor, smap, pos: Positions, ef_decay: float, dtype: torch.dtype) -> None:
@@ -136,24 +200,24 @@ def _decay_chosen(m: Tensor, smap, pos: Positions, ef_decay: float, dtype: torch
     ms[pos.matrix, pos.local] = ms[pos.matrix, pos.local].to(dtype).mul_(ef_decay).to(ms.dtype)
 
 
-def update_dtype(item: Dion2Item, smap, lead: Sequence[int]) -> torch.dtype:
+def update_dtype(unit: Unit, smap, lead: Sequence[int]) -> torch.dtype:
     """The dtype of the orthogonalised submatrix (what Newton–Schulz returns for it; the input's
     when it is empty): every member computes it, so the update travels in it without a word."""
-    shape = view_shape(item.param.shape, item.transposed)
+    shape = unit.shape
     sub = (*lead, smap.k, shape[-1]) if smap.dim == -2 else (*lead, shape[-2], smap.k)
-    orth = item.options["orthogonalize"]
+    orth = unit.options["orthogonalize"]
     if smap.k == 0 or shape[-1] * shape[-2] == 0 or 0 in lead or not hasattr(orth, "output_dtype"):
-        return item.dtype
-    return orth.output_dtype(sub, item.dtype, local_view(item.param).device)
+        return unit.dtype
+    return orth.output_dtype(sub, unit.dtype, local_view(unit.item.param).device)
 
 
 class _PatternStep:
     """Steps 4-5 for one shard group's units, from this rank's side (member, and owner of some)."""
 
-    def __init__(self, pattern: SelectionPattern, sel: SelectionPlan, items, views, mine: list[Positions],
+    def __init__(self, pattern: SelectionPattern, sel: SelectionPlan, units, views, mine: list[Positions],
                  counts: ChosenCounts, wheres: dict[int, Tensor]):
         self.pattern, self.plan, self.sel = pattern, pattern.plan, sel
-        self.items = [items[i] for i in pattern.params]
+        self.units = [units[i] for i in pattern.params]
         self.views = [views[i] for i in pattern.params]
         self.mine = [mine[i] for i in pattern.params]
         self.own = [counts.own[i] for i in pattern.params]
@@ -164,8 +228,8 @@ class _PatternStep:
         self.lead = [tuple(m.shape[:-2]) for _, m, _ in self.views]
         self.row_size = [v.element_size() if v is not None else 0 for _, _, v in self.views]
         self.forward = [UnitWire(m.element_size(), r) for (_, m, _), r in zip(self.views, self.row_size)]
-        self.out_dtype = [update_dtype(it, u.maps[self.plan.me], lead)
-                          for it, u, lead in zip(self.items, self.plan.units, self.lead)]
+        self.out_dtype = [update_dtype(unit, u.maps[self.plan.me], lead)
+                          for unit, u, lead in zip(self.units, self.plan.units, self.lead)]
         self.back = [UnitWire(d.itemsize, r) for d, r in zip(self.out_dtype, self.row_size)]
 
     # -- members: their chosen pieces to the owners
@@ -220,9 +284,9 @@ class _PatternStep:
     def _owner_stage(self, ui: int, u, received: list) -> list[list[Tensor]]:
         """The owner's work on one unit: the submatrix in ascending global order, Newton–Schulz,
         NorDion2's normalisation; returns each member's message (its update pieces, its ``v``)."""
-        item, (_, m, v) = self.items[ui], self.views[ui]
-        smap, lead, opts = u.maps[0], self.lead[ui], item.options
-        full = view_shape(item.param.shape, item.transposed)
+        unit, (_, m, v) = self.units[ui], self.views[ui]
+        smap, lead, opts = u.maps[0], self.lead[ui], unit.options
+        full = unit.shape
         length = full[-1] if smap.dim == -2 else full[-2]
         sub = torch.zeros(u.batch, smap.k, length, dtype=m.dtype, device=self.device)
         vk = torch.zeros(u.batch, smap.k, dtype=v.dtype, device=self.device) if v is not None else None
@@ -231,8 +295,8 @@ class _PatternStep:
             if vals is not None and pos.count:
                 vk[pos.matrix, pos.chosen] = vals
         sub = sub if smap.dim == -2 else sub.transpose(-1, -2)
-        x = sub.reshape(*lead, *sub.shape[-2:]).to(item.dtype).contiguous()  # before the decay, as one device
-        o = _orthogonalize(opts["orthogonalize"], x, math.prod(item.param.shape[:-2]))
+        x = sub.reshape(*lead, *sub.shape[-2:]).to(unit.dtype).contiguous()  # before the decay, as one device
+        o = _orthogonalize(opts["orthogonalize"], x, math.prod(full[:-2]))
         if vk is not None and u.batch * smap.k:
             o, vk = normuon_normalize(o, vk.view(*lead, smap.k, 1), opts["normuon_beta2"], o.dtype)
             vk = vk.reshape(u.batch, smap.k)
@@ -266,8 +330,8 @@ class _PatternStep:
 
     def _apply_unit(self, ui: int, smap, pos: Positions, pieces: Tensor, v_new: Tensor | None) -> None:
         """Weight decay everywhere, the update on this rank's chosen slices, their rows of ``v``."""
-        item, (p, _, v) = self.items[ui], self.views[ui]
-        opts = item.options
+        unit, (p, _, v) = self.units[ui], self.views[ui]
+        opts = unit.options
         d3 = torch.zeros(smap.batch, smap.count, other_length(smap), dtype=self.out_dtype[ui], device=self.device)
         if pos.count:
             d3[pos.matrix, pos.local] = pieces

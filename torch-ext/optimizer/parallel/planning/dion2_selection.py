@@ -16,6 +16,9 @@ out
 
 A unit is one parameter's local matrices (``batch`` of them: the local experts of a 3-D stack, 1 for
 a matrix); the members of a shard group hold the same leading indices, so they agree on ``batch``.
+With row blocks (``muon_row_blocks``) a unit is one block of one parameter, its own matrix
+``[..., rows_b, n]``: its global rows are the positions within the block, and each member holds the
+local rows whose global row is in the block (:func:`block_rows`; ``SliceMap.local_rows``).
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from torch.distributed.tensor.placement_types import Placement
 
 from ...dion2.rule import chosen_count, selection_dim
 from ...distributed.placements import Index, block_shape, local_indices
 from .owners import assign_owners_among
 
-__all__ = ["ExchangePlan", "SliceMap", "UnitExchange", "exchange_plan", "slice_map"]
+__all__ = ["ExchangePlan", "SliceMap", "UnitExchange", "block_rows", "exchange_plan", "slice_map"]
 
 
 @dataclass(frozen=True)
@@ -40,13 +45,16 @@ class SliceMap:
     ``indices``: the global indices it holds per tensor dim (``local_indices``); ``dim``: the
     selection dim (-2 rows, -1 columns); ``slices`` = ``indices[dim]``: the global index of each
     local slice, in local storage order; ``size``: the global size ``s`` of that dim; ``k``: the
-    slices chosen per matrix; ``batch``: the local matrices (product of the local leading shape)."""
+    slices chosen per matrix; ``batch``: the local matrices (product of the local leading shape).
+    A row block's map: ``indices[-2]`` are positions within the block, ``local_rows`` where those
+    rows sit in the member's local piece (None: the whole matrix, every local row)."""
 
     indices: tuple[Index, ...]
     dim: int
     size: int
     k: int
     batch: int
+    local_rows: Index | None = None
 
     @property
     def slices(self) -> Index:
@@ -58,16 +66,47 @@ class SliceMap:
         return block_shape(self.indices)[self.dim]
 
 
+def _as_index(t: torch.Tensor) -> Index:
+    """A slice where ``t`` (int64) is a run of consecutive ascending indices (empty: ``slice(0, 0)``)."""
+    if t.numel() == 0:
+        return slice(0, 0)
+    start = int(t[0])
+    if torch.equal(t, torch.arange(start, start + t.numel())):
+        return slice(start, start + t.numel())
+    return t
+
+
+def block_rows(rows: Index, block: Sequence[int], num_rows: int) -> tuple[Index, Index]:
+    """A member's rows of one row block: ``rows`` (its global rows, in local storage order) against
+    ``block`` (the block's global rows, in block order).  Returns ``(local, positions)``: where the
+    block's rows sit among the member's local rows (ascending local order), and their positions
+    within the block (the block's own row index), both as slices where they are runs."""
+    held = torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows.to(torch.long)
+    where = torch.full((num_rows,), -1, dtype=torch.long)
+    where[torch.as_tensor(block, dtype=torch.long)] = torch.arange(len(block))
+    positions = where[held]
+    local = (positions >= 0).nonzero().flatten()
+    return _as_index(local), _as_index(positions[local])
+
+
 def slice_map(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
-              coordinate: Sequence[int], fraction: float, rows_only: bool = False) -> SliceMap:
+              coordinate: Sequence[int], fraction: float, rows_only: bool = False,
+              block: Sequence[int] | None = None) -> SliceMap:
     """The :class:`SliceMap` of the member at mesh ``coordinate`` for a parameter of
-    ``global_shape`` ``[..., m, n]`` placed with ``placements`` on a mesh of ``mesh_shape``."""
+    ``global_shape`` ``[..., m, n]`` placed with ``placements`` on a mesh of ``mesh_shape``; with
+    ``block`` (a row block's global rows, in block order), of that block as its own matrix
+    ``[..., len(block), n]``: its selection dim, size and ``k`` from that shape."""
     shape = tuple(int(s) for s in global_shape)
-    dim = selection_dim(shape, rows_only)
     indices = local_indices(shape, mesh_shape, placements, coordinate)
+    local = None
+    if block is not None:
+        local, positions = block_rows(indices[-2], block, shape[-2])
+        indices = (*indices[:-2], positions, indices[-1])
+        shape = (*shape[:-2], len(block), shape[-1])
+    dim = selection_dim(shape, rows_only)
     size = shape[dim]
     return SliceMap(indices, dim, size, chosen_count(fraction, size) if size else 0,
-                    math.prod(block_shape(indices)[:-2]))
+                    math.prod(block_shape(indices)[:-2]), local)
 
 
 @dataclass(frozen=True)
@@ -130,12 +169,13 @@ def assign_selection_owners(costs: Sequence[int], members: int) -> list[int]:
     return list(assign_owners_among([float(c) for c in costs], candidates))
 
 
-def exchange_plan(params: Sequence[tuple[Sequence[int], Sequence[Placement]]], mesh_shape: Sequence[int],
+def exchange_plan(params: Sequence[tuple], mesh_shape: Sequence[int],
                   member_coordinates: Sequence[Sequence[int]], me: int, fraction: float | Sequence[float],
                   rows_only: bool | Sequence[bool] = False, owners: Sequence[int] | None = None) -> ExchangePlan:
-    """The :class:`ExchangePlan` of parameters ``(global_shape, placements)`` whose shard group is
-    the members at ``member_coordinates`` (in the process group's rank order; ``me`` a position in
-    it).  ``fraction`` and ``rows_only``: one value for every parameter, or one per parameter (Dion2
+    """The :class:`ExchangePlan` of parameters ``(global_shape, placements)`` (or
+    ``(global_shape, placements, block)``: one row block, its global rows as a tuple, a unit of its
+    own; :func:`slice_map`) whose shard group is the members at ``member_coordinates`` (in the
+    process group's rank order; ``me`` a position in it).  ``fraction`` and ``rows_only``: one value for every parameter, or one per parameter (Dion2
     groups with different fractions, NorDion2 beside Dion2).  ``owners``: each parameter's owner
     position (default :func:`assign_selection_owners`)."""
     if not 0 <= me < len(member_coordinates):
@@ -144,10 +184,11 @@ def exchange_plan(params: Sequence[tuple[Sequence[int], Sequence[Placement]]], m
     rows = list(rows_only) if isinstance(rows_only, Sequence) else [rows_only] * len(params)
     cache: dict[tuple, tuple[SliceMap, ...]] = {}
     maps = []
-    for (shape, pl), f, r in zip(params, fractions, rows):
-        key = (tuple(shape), tuple(pl), f, r)
+    for (shape, pl, *block), f, r in zip(params, fractions, rows):
+        block = block[0] if block else None
+        key = (tuple(shape), tuple(pl), f, r, block)
         if key not in cache:
-            cache[key] = tuple(slice_map(shape, mesh_shape, pl, c, f, r) for c in member_coordinates)
+            cache[key] = tuple(slice_map(shape, mesh_shape, pl, c, f, r, block) for c in member_coordinates)
         maps.append(cache[key])
     for i, per_member in enumerate(maps):
         if len({m.batch for m in per_member}) != 1:
