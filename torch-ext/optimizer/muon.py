@@ -33,7 +33,7 @@ from . import checkpoint
 from .adamw import adamw_group_step_, step_as_tensor_
 from .checks import check_group_params, param_names_problem
 from .dion2.checks import dion2_group_problem, dion2_row_blocks, is_dion2
-from .dion2.step import dion2_update
+from .dion2.step import dion2_update, orthogonalizers
 from .lion import lion_group_step_
 from .matrix_view import LayoutCache
 from .newton_schulz.implementation import Implementations
@@ -168,8 +168,8 @@ class Muon(Optimizer):
         for group in self.param_groups:
             if not group["use_muon"]:
                 (lion_group_step_ if settings.kind_of(group) == settings.LION else adamw_group_step_)(group, self.state)
-        dion2_update(context.dion2, [self.param_groups[e.group] for e in context.dion2], context.dion2_implementations,
-                     self.state, self.settings, row_blocks=context.dion2_row_blocks,
+        dion2_update(context.dion2, [self.param_groups[e.group] for e in context.dion2], context.dion2_orthogonalizers,
+                     self.state, row_blocks=context.dion2_row_blocks,
                      clips=[context.dion2_clip_rows(i, clip) for i in range(len(context.dion2))])
         self._record_stats(muon_update(context, self.state, self.settings, clip))
         return loss
@@ -202,6 +202,8 @@ class Muon(Optimizer):
         self.qk_clip_report = facts.clip.report if facts.clip is not None else None
         if self.qk_clip_report is not None:
             log_report(self.qk_clip_report)
+        context.dion2_orthogonalizers = orthogonalizers([self.param_groups[e.group] for e in context.dion2],
+                                                        context.dion2_implementations, self.settings)
         return context, facts.clip
 
     @torch.compiler.disable

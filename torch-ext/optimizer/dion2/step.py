@@ -42,11 +42,22 @@ from ..tensors import is_dtensor, local_view
 EF_DECAY_DEFAULT = next(o.default for o in GROUP_OPTIONS if o.name == "dion2_ef_decay")
 
 
-def dion2_update(entries: Sequence[NamedParam], groups: Sequence[Mapping], implementations: Sequence[Implementation],
-                 state: MutableMapping, settings: MuonSettings, row_blocks: Sequence[RowBlocks | None] | None = None,
+def orthogonalizers(groups: Sequence[Mapping], implementations: Sequence[Implementation],
+                    settings: MuonSettings) -> list[NewtonSchulz]:
+    """Each Dion2 parameter's Newton–Schulz this step (``groups[i]`` its group as it is now,
+    ``implementations[i]`` its resolved ``ns_kernels``).  Built where the step runs eagerly
+    (``Muon._begin_step``): torch 2.10's dynamo cannot trace the construction of this frozen
+    dataclass inside ``torch.compile(opt.step)`` (``AttributeError: 'NewtonSchulz' object has no
+    attribute 'ns_steps'``, the compatibility run of 2026-11-29)."""
+    return [NewtonSchulz(g["ns_steps"], g["ns_coefficients"], g.get("ns_method", "auto"), g["eps"],
+                         settings.compute_dtype, implementation) for g, implementation in zip(groups, implementations)]
+
+
+def dion2_update(entries: Sequence[NamedParam], groups: Sequence[Mapping], orthogonalize: Sequence[NewtonSchulz],
+                 state: MutableMapping, row_blocks: Sequence[RowBlocks | None] | None = None,
                  clips: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> None:
     """One Dion2 step of every parameter in ``entries`` (each with a gradient; ``groups[i]`` its
-    group, ``implementations[i]`` its ``ns_kernels`` as resolved when the step context was built),
+    group, ``orthogonalize[i]`` its Newton–Schulz this step, :func:`orthogonalizers`),
     in place on the parameter, its momentum and its NorMuon ``v``; ``row_blocks[i]``: parameter
     ``i``'s row blocks (``checks.dion2_row_blocks``), ``clips[i]``: its QK-clip
     (scale table, local row slots) this step (``StepContext.dion2_clip_rows``), applied after every
@@ -59,8 +70,8 @@ def dion2_update(entries: Sequence[NamedParam], groups: Sequence[Mapping], imple
     bufs = momentum_buffers(params, groups, state)
     rows = row_states(params, groups, views, state)
     distributed = []
-    for e, group, implementation, buf, v, b in zip(entries, groups, implementations, bufs, rows, blocks):
-        options = _options(e, group, implementation, settings)
+    for e, group, ns, buf, v, b in zip(entries, groups, orthogonalize, bufs, rows, blocks):
+        options = _options(e, group, ns)
         if is_dtensor(e.param):  # every rank of its mesh steps it below, all together, in the agreed order
             entry = state[e.param]
             distributed.append(Dion2Item(e.param, entry[MOMENTUM_KEY],
@@ -75,14 +86,13 @@ def dion2_update(entries: Sequence[NamedParam], groups: Sequence[Mapping], imple
         clip_updated_(entries, clips)
 
 
-def _options(e: NamedParam, group: Mapping, implementation: Implementation, settings: MuonSettings) -> dict:
+def _options(e: NamedParam, group: Mapping, ns: NewtonSchulz) -> dict:
     """The rule's keywords for parameter ``e`` of ``group`` this step (the same for both paths)."""
     lr = group["lr"]
     return dict(
         fraction=group["dion2_fraction"], ef_decay=group.get("dion2_ef_decay", EF_DECAY_DEFAULT), lr=lr,
         adjusted=adjust_lr(lr, e.shape, group["adjust_lr"]), weight_decay=group["weight_decay"],
-        orthogonalize=NewtonSchulz(group["ns_steps"], group["ns_coefficients"], group.get("ns_method", "auto"),
-                                   group["eps"], settings.compute_dtype, implementation),
+        orthogonalize=ns,
         normuon_beta2=group.get("normuon_beta2") if normuon_on(group) else None,
         cautious=bool(group.get("cautious_wd", False)), maximize=bool(group.get("maximize", False)),
         dtype=work_dtype(e.param, group))

@@ -76,6 +76,7 @@ class StepContext:
         # what runs each Muon parameter's products and stages (newton_schulz/implementation.py)
         self.implementations: list[Implementation] = []
         self.dion2_implementations: list[Implementation] = []  # the same for each Dion2 parameter
+        self.dion2_orthogonalizers: list = []  # their Newton–Schulz, set each step (dion2.step.orthogonalizers)
         self.dion2_row_blocks: list[RowBlocks | None] = [None] * len(self.dion2)
         self.head_map: HeadMap | None = None
         self.plan = StepPlan()
