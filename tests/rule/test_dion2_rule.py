@@ -16,6 +16,8 @@ import torch
 
 import dion2_reference as ref
 import optimizer.dion2.rule as dr
+from optimizer.dion2.constructors import ADJUST_LR as DION_TO_MUON_ADJUST_LR
+from optimizer.rule import adjust_lr
 from optimizer.newton_schulz import zeropower_via_newtonschulz
 from tolerances import gamma, normuon_rtol, unit_roundoff
 
@@ -257,7 +259,7 @@ def test_bad_input_is_refused_by_name():
     with pytest.raises(ValueError, match="parameter `norm.weight` has shape \\(16,\\).*AdamW group"):
         dr.check_matrix("norm.weight", (16,))
     with pytest.raises(ValueError, match="adjust_lr"):
-        dr.adjusted_lr(LR, (4, 4), "original")
+        adjust_lr(LR, (4, 4), "rms")
     with pytest.raises(ValueError, match="normuon_beta2"):
         W, G, M = _inputs((4, 4))
         dr.dion2_step_(W, G, M, fraction=0.5, ef_decay=EF, lr=LR, adjusted=LR, weight_decay=WD,
@@ -265,9 +267,12 @@ def test_bad_input_is_refused_by_name():
 
 
 def test_adjusted_lr_is_dions():
-    assert dr.adjusted_lr(0.1, (8, 32), "spectral_norm") == 0.1 * math.sqrt(8 / 32)  # below 1: no max(1, .)
-    assert dr.adjusted_lr(0.1, (3, 8, 32), "rms_norm") == 0.1 * 0.2 * math.sqrt(32)
-    assert dr.adjusted_lr(0.1, (8, 32), None) == 0.1
+    """The step's lr rule (``rule.adjust_lr``) under dion's modes as the constructors map them."""
+    def dion(mode, shape):
+        return adjust_lr(0.1, shape, DION_TO_MUON_ADJUST_LR[mode])
+    assert dion("spectral_norm", (8, 32)) == 0.1 * math.sqrt(8 / 32)  # below 1: no max(1, .)
+    assert dion("rms_norm", (3, 8, 32)) == 0.1 * 0.2 * math.sqrt(32)
+    assert dion(None, (8, 32)) == 0.1
 
 
 # ---------------------------------------------------------------- the comparison catches breaks

@@ -151,24 +151,6 @@ def decay_chosen_(buf: Tensor, idx: Tensor, dim: int, ef_decay: float, dtype: to
 # ---------------------------------------------------------------------------- the update
 
 
-DION_ADJUST_LR = ("spectral_norm", "rms_norm", None)
-
-
-def adjusted_lr(lr: float, shape: Sequence[int], mode: str | None) -> float:
-    """dion's learning-rate rule for a matrix ``[..., A, B]`` (its own shape, not the chosen
-    submatrix's): ``"spectral_norm"`` ``lr sqrt(A / B)`` (no ``max(1, .)``, unlike Muon's
-    ``"original"``), ``"rms_norm"`` ``lr 0.2 sqrt(max(A, B))`` (Muon's ``"match_rms_adamw"``),
-    None ``lr``."""
-    a, b = int(shape[-2]), int(shape[-1])
-    if mode == "spectral_norm":
-        return lr * math.sqrt(a / b)
-    if mode == "rms_norm":
-        return lr * 0.2 * math.sqrt(max(a, b))
-    if mode is None:
-        return lr
-    raise ValueError(f"Dion2: `adjust_lr` must be one of {DION_ADJUST_LR}, got {mode!r}")
-
-
 def normalize_chosen_rows(o: Tensor, v: Tensor, idx: Tensor, beta2: float) -> tuple[Tensor, Tensor]:
     """NorDion2: NorMuon's normalisation (``rule.normuon_normalize``: per row of the chosen
     submatrix ``o`` ``[..., k, n]``, Frobenius rescale per matrix) with the chosen rows of ``v``
